@@ -1,0 +1,336 @@
+"""PromptStore: the tiers behind one get/put API."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+from ._codec import decode, encode, prepare
+from ._entry import Entry, EntryInfo
+from ._keys import Key, coerce_key, make_key
+from ._sizes import parse_size
+from ._stats import Stats
+from ._tiers import DiskTier, MemoryTier, Tier
+from .errors import ConfigError, PromptStoreWarning, StorePathError
+
+__all__ = ["PromptStore", "default_path"]
+
+
+def default_path() -> Path:
+    """``$PROMPTSTORE_DIR`` if set, else the platform's user cache folder for promptstore."""
+    env = os.environ.get("PROMPTSTORE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("promptstore", appauthor=False))
+
+
+def _close_tiers(tiers: list[Tier]) -> None:
+    for tier in tiers:
+        try:
+            tier.close()
+        except Exception:  # noqa: BLE001 - closing at exit must never raise
+            pass
+
+
+class PromptStore:
+    """A content-addressed store of named tensors in tiers: memory, disk, (Redis).
+
+    Reads go memory -> disk -> redis and promote a hit into the tiers above it; writes go
+    through to every tier. A tier that fails (disk full, unreadable folder, Redis gone)
+    turns into a miss with one :class:`~promptstore.errors.PromptStoreWarning`; the
+    caller's work never fails because of the cache.
+
+    Args:
+        path: the disk tier's folder. ``None``: ``$PROMPTSTORE_DIR``, else the user cache
+            folder (``platformdirs.user_cache_dir("promptstore")``).
+        memory_bytes: budget of the in-process tier (int or ``"1GiB"``); 0 disables it.
+        disk_bytes: budget of the disk tier; 0 disables it. ``None``: the budget last
+            given for this folder, else 20 GiB. A given budget is recorded in the folder.
+        redis_url: ``redis://`` or ``rediss://`` URL of a shared Redis tier, or None.
+        namespace: tenant salt. Keys made with :meth:`key` include it, and an entry
+            written under one namespace is never returned under another.
+        clock: wall-clock source for TTLs and timestamps (tests inject a fake one).
+        durable: fsync each entry file and its folder before the index commits (survives
+            power loss, not only process crashes), at a measured cost per put.
+
+    Raises:
+        StorePathError: ``path`` is a file or a foreign non-empty folder.
+        FormatVersionError: ``path`` was written by a newer promptstore.
+        InvalidSizeError: a budget could not be parsed.
+        ConfigError: a bad namespace or option.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        memory_bytes: int | str = "1GiB",
+        disk_bytes: int | str | None = None,
+        redis_url: str | None = None,
+        namespace: str = "",
+        *,
+        clock: Any = time.time,
+        durable: bool = False,
+    ) -> None:
+        if not isinstance(namespace, str):
+            raise ConfigError(f"namespace must be a str, got {type(namespace).__name__}")
+        self.namespace = namespace
+        self._stats = Stats()
+        self._warned: set[tuple[str, str]] = set()
+        self._warn_lock = threading.Lock()
+        self._tiers: list[Tier] = []
+        mem = parse_size(memory_bytes)
+        if mem:
+            self._tiers.append(MemoryTier(mem, clock=clock))
+        disk = None if disk_bytes is None else parse_size(disk_bytes)
+        self.path: Path | None = None
+        if disk != 0:
+            self.path = Path(path).expanduser() if path is not None else default_path()
+            try:
+                self._tiers.append(DiskTier(self.path, disk, clock=clock, durable=durable))
+            except (StorePathError, ConfigError):
+                raise
+            except OSError as exc:
+                # An unwritable folder costs the disk tier, not the caller's program.
+                if not isinstance(exc, (NotADirectoryError, FileExistsError)):
+                    warnings.warn(f"disk tier disabled: cannot use {self.path} ({exc})", PromptStoreWarning,
+                                  stacklevel=2)
+                else:
+                    raise StorePathError(f"store path {self.path} is not usable: {exc}") from exc
+        if redis_url is not None:
+            raise ConfigError("the Redis tier is not available in this version of promptstore")
+        self._finalizer = weakref.finalize(self, _close_tiers, list(self._tiers))
+
+    # -- plumbing ------------------------------------------------------------------------
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The configured tiers, fastest first."""
+        return tuple(self._tiers)
+
+    def _guard(self, tier: Tier, op: str, fn: Any, *args: Any, default: Any = None) -> Any:
+        try:
+            result = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller
+            self._fault(tier, op, exc)
+            return default
+        if self._warned:
+            self._recovered(tier, op)
+        return result
+
+    def _fault(self, tier: Tier, op: str, exc: Exception) -> None:
+        with self._warn_lock:
+            first = (tier.name, op) not in self._warned
+            self._warned.add((tier.name, op))
+        if first:
+            warnings.warn(
+                f"{tier.name} tier failed during {op} ({type(exc).__name__}: {exc}); treated as a "
+                "miss, further failures of this kind are silent until it works again",
+                PromptStoreWarning,
+                stacklevel=4,
+            )
+
+    def _recovered(self, tier: Tier, op: str) -> None:
+        with self._warn_lock:
+            self._warned.discard((tier.name, op))
+
+    # -- keys ----------------------------------------------------------------------------
+    def key(self, kind: str, payload: bytes | str = b"", *, fingerprints: Iterable[bytes | str] = ()) -> Key:
+        """Make the key of an entry in this store's namespace (see :func:`promptstore.make_key`)."""
+        return make_key(kind, payload, namespace=self.namespace, fingerprints=fingerprints)
+
+    # -- the API -------------------------------------------------------------------------
+    def put(
+        self,
+        key: Key | str,
+        tensors: Mapping[str, Any],
+        *,
+        kind: str,
+        cost_s: float = 0.0,
+        meta: Mapping[str, str] | None = None,
+        parent: Key | str | None = None,
+        ttl_s: float | None = None,
+    ) -> bool:
+        """Store named tensors under ``key`` in every tier (replacing what was there).
+
+        Args:
+            key: 32 bytes or 64 hex characters, usually from :meth:`key`.
+            tensors: name -> numpy array. Arrays of a dtype numpy lacks may be given as raw
+                bits with their safetensors dtype name: ``(uint16_array, "BF16")``.
+            kind: what the entry is, e.g. ``"vision.text"``, ``"llm.kv"``.
+            cost_s: seconds it took to compute (the eviction policy keeps costly bytes).
+            meta: str -> str annotations stored with the entry.
+            parent: the key this entry chains from (KV blocks); the parent is never evicted
+                while this entry is kept, and deleting it deletes this entry too.
+            ttl_s: drop the entry this many seconds after its last hit.
+
+        Returns:
+            True if at least one tier kept the entry.
+
+        Raises:
+            InvalidKeyError: bad key or parent.
+            InvalidEntryError: bad tensors, kind, meta, cost or TTL (UnsupportedDtypeError
+                for object, string or complex arrays). Nothing is stored then.
+        """
+        prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, meta=meta, parent=parent, ttl_s=ttl_s,
+                           namespace=self.namespace)
+        return self._put_entry(decode(encode(prepared), verify=False))
+
+    def _put_entry(self, entry: Entry, tiers: Iterable[Tier] | None = None) -> bool:
+        stored = False
+        for tier in self._tiers if tiers is None else tiers:
+            stored |= bool(self._guard(tier, "put", tier.put, entry, default=False))
+        return stored
+
+    def get(self, key: Key | str, *, kind: str | None = None) -> Entry | None:
+        """Return the entry stored under ``key``, or None.
+
+        Args:
+            key: 32 bytes or 64 hex characters.
+            kind: if given, an entry of another kind is a miss, and misses are counted
+                under this kind in :meth:`stats`.
+
+        Raises:
+            InvalidKeyError: ``key`` is not a key.
+        """
+        k = key if type(key) is bytes and len(key) == 32 else coerce_key(key)
+        label = kind or "unknown"
+        for i, tier in enumerate(self._tiers):
+            # Inlined _guard: this is the hot path of every memory hit.
+            try:
+                entry = tier.get(k, kind)
+            except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller
+                self._fault(tier, "get", exc)
+                entry = None
+            else:
+                if self._warned:
+                    self._recovered(tier, "get")
+            if entry is None or entry.namespace != self.namespace or (kind is not None and entry.kind != kind):
+                self._stats.miss(label, tier.name)
+                continue
+            self._stats.hit(entry.kind, tier.name, entry.size, entry.cost_s)
+            for upper in self._tiers[:i]:
+                self._guard(upper, "put", upper.put, entry)
+            return entry
+        self._stats.store_miss(label)
+        return None
+
+    def __contains__(self, key: object) -> bool:
+        k = coerce_key(key)
+        return any(self._guard(t, "contains", t.contains, k) == self.namespace for t in self._tiers)
+
+    def delete(self, key: Key | str) -> bool:
+        """Remove ``key`` from every tier, with every entry chained from it. True if anything went."""
+        k = coerce_key(key)
+        return sum(self._guard(t, "delete", t.delete, k, default=0) for t in self._tiers) > 0
+
+    def ls(self, kind: str | None = None) -> list[EntryInfo]:
+        """Describe every entry in any tier (newest hit first), without reading tensors."""
+        seen: dict[bytes, EntryInfo] = {}
+        for tier in self._tiers:
+            for info in self._guard(tier, "ls", lambda t=tier: list(t.infos(kind)), default=[]):
+                prev = seen.get(info.key)
+                if prev is None:
+                    seen[info.key] = info
+                else:
+                    seen[info.key] = EntryInfo(**{**prev.__dict__, "tier": f"{prev.tier}+{info.tier}",
+                                                  "hits": max(prev.hits, info.hits)})
+        return sorted(seen.values(), key=lambda i: i.last_hit, reverse=True)
+
+    def _peek(self, key: bytes) -> Entry | None:
+        for tier in self._tiers:
+            entry = self._guard(tier, "peek", tier.peek, key)
+            if entry is not None:
+                return entry
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process, and each tier's usage.
+
+        Returns:
+            ``{"namespace", "hits", "misses", "hit_bytes", "seconds_saved", "evictions",
+            "kinds": {kind: {"hits", "misses", "hit_bytes", "seconds_saved",
+            "tiers": {tier: {"hits", "misses"}}}}, "tiers": {tier: {"entries", "bytes",
+            "budget", "evictions", ...}}}``. ``seconds_saved`` sums the recorded cost of
+            every hit. The disk tier adds ``lifetime`` counters kept in its folder.
+        """
+        snap = self._stats.snapshot()
+        tiers = {t.name: self._guard(t, "stats", t.usage, default={"error": "unavailable"}) for t in self._tiers}
+        return {"namespace": self.namespace, **snap,
+                "evictions": sum(t.get("evictions", 0) for t in tiers.values()), "tiers": tiers}
+
+    def verify(self) -> dict[str, Any]:
+        """Read and checksum every entry of every tier; drop broken ones and fix counters.
+
+        Returns:
+            ``{"ok": bool, "checked": int, "problems": [str], "tiers": [per-tier reports]}``;
+            ``ok`` is True when nothing was wrong.
+        """
+        reports = [self._guard(t, "verify", t.verify, default={"tier": t.name, "checked": 0,
+                                                                "problems": ["tier unavailable"]})
+                   for t in self._tiers]
+        problems = [f"{r['tier']}: {p}" for r in reports for p in r["problems"]]
+        return {"ok": not problems, "checked": sum(r["checked"] for r in reports), "problems": problems,
+                "tiers": reports}
+
+    def gc(self) -> dict[str, Any]:
+        """Drop expired entries and leftovers of interrupted writes, and enforce budgets.
+
+        Returns:
+            ``{"tiers": [per-tier reports]}`` with what each tier removed.
+        """
+        return {"tiers": [self._guard(t, "gc", t.gc, default={"tier": t.name}) for t in self._tiers]}
+
+    def export_bundle(
+        self, path: str | os.PathLike[str], keys: Iterable[Key | str] | None = None, kind: str | None = None
+    ) -> int:
+        """Write entries into one bundle file (a zip of entry files plus a manifest).
+
+        Args:
+            path: the bundle file to write (replaced atomically).
+            keys: which entries; None: all. Ancestors of chained entries come along.
+            kind: only entries of this kind.
+
+        Returns:
+            How many entries were written.
+        """
+        from ._bundle import export_bundle
+
+        return export_bundle(self, path, keys=keys, kind=kind)
+
+    def import_bundle(self, path: str | os.PathLike[str]) -> int:
+        """Verify a bundle completely, then store its entries. A bad bundle changes nothing.
+
+        Returns:
+            How many entries were imported.
+
+        Raises:
+            BundleError: malformed, truncated or failing a checksum (nothing imported).
+            FormatVersionError: written by a newer promptstore.
+        """
+        from ._bundle import import_bundle
+
+        return import_bundle(self, path)
+
+    def close(self) -> None:
+        """Flush counters and close files and connections. The store is unusable after."""
+        self._finalizer()
+
+    def __enter__(self) -> PromptStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tiers = ", ".join(f"{t.name}={t.budget}" for t in self._tiers)
+        return f"PromptStore(path={str(self.path)!r}, namespace={self.namespace!r}, {tiers})"
+
+

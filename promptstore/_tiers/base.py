@@ -1,0 +1,76 @@
+"""The tier interface: what the store needs from memory, disk and Redis alike."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .._entry import Entry, EntryInfo
+
+__all__ = ["Tier", "Clock", "SizeOf"]
+
+Clock = Callable[[], float]
+SizeOf = Callable[[Entry], int]
+
+
+class Tier(ABC):
+    """One level of the store. Keys are 32 raw bytes, validated by the store.
+
+    ``get`` counts a hit for the eviction policy; ``peek`` does not (bundles, verify).
+    ``put`` takes an :class:`Entry` whose ``blob`` holds its encoded bytes and returns
+    whether the tier kept it (an entry larger than the budget is refused, not stored
+    by evicting everything). Faults raise; the store turns them into misses.
+    """
+
+    name: str = "tier"
+
+    def __init__(self, budget: int, *, clock: Clock = time.time, sizeof: SizeOf | None = None) -> None:
+        self.budget = int(budget)
+        self.clock = clock
+        self._sizeof = sizeof
+        self.evictions = 0  # this process's, for stats()
+
+    def sizeof(self, entry: Entry) -> int:
+        """Bytes the entry counts against this tier's budget (injectable for tests)."""
+        return self._sizeof(entry) if self._sizeof is not None else entry.size
+
+    @abstractmethod
+    def get(self, key: bytes, kind: str | None = None) -> Entry | None:
+        """Return the entry and count a hit, or None (``kind`` names what a miss was for)."""
+
+    @abstractmethod
+    def peek(self, key: bytes) -> Entry | None:
+        """Return the entry without counting a hit or refreshing its TTL."""
+
+    @abstractmethod
+    def put(self, entry: Entry) -> bool:
+        """Store ``entry`` (replacing the same key), evicting as needed. False: refused."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> int:
+        """Remove ``key`` and every entry chained from it; return how many went."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> str | None:
+        """The namespace ``key`` is stored under, if stored and not expired (no hit counted)."""
+
+    @abstractmethod
+    def infos(self, kind: str | None = None) -> Iterator[EntryInfo]:
+        """Describe every stored entry (optionally of one kind) without reading tensors."""
+
+    @abstractmethod
+    def usage(self) -> dict[str, Any]:
+        """``{"entries", "bytes", "budget", "evictions", ...}`` for stats()."""
+
+    def verify(self) -> dict[str, Any]:
+        """Check every entry; drop what is broken. ``problems`` lists what was wrong."""
+        return {"tier": self.name, "checked": 0, "problems": []}
+
+    def gc(self) -> dict[str, Any]:
+        """Drop expired entries and leftovers of interrupted writes; enforce the budget."""
+        return {"tier": self.name}
+
+    def close(self) -> None:
+        """Release files and connections."""

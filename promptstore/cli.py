@@ -1,0 +1,154 @@
+"""The ``promptstore`` command: inspect and maintain a store folder.
+
+    promptstore stats | ls | verify | gc | export BUNDLE | import BUNDLE  [--dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._sizes import format_size
+from ._store import PromptStore, default_path
+from .errors import PromptStoreError
+
+__all__ = ["main", "build_parser"]
+
+
+def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    default = argparse.SUPPRESS if suppress else None
+    parser.add_argument("--dir", default=default, help="store folder (default: $PROMPTSTORE_DIR or the user cache folder)")
+    parser.add_argument("--namespace", default=default, help="tenant namespace (default: '')")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+                        help="print JSON instead of text")
+
+
+def _open(args: argparse.Namespace, create: bool = False) -> PromptStore:
+    path = Path(args.dir).expanduser() if args.dir else default_path()
+    if not create and not path.is_dir():
+        raise PromptStoreError(f"no store at {path}")
+    return PromptStore(path, memory_bytes=0, namespace=args.namespace or "")
+
+
+def _when(t: float | None) -> str:
+    return "-" if not t else _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        disk = store.stats()["tiers"].get("disk", {})
+    lines = [f"store      {disk.get('path')}",
+             f"entries    {disk.get('entries', 0)}",
+             f"size       {format_size(disk.get('bytes', 0))} of {format_size(disk.get('budget', 0))}"]
+    life = disk.get("lifetime", {})
+    lines.append(f"evictions  {life.get('evictions', 0)} (expired: {life.get('expirations', 0)})")
+    kinds = life.get("kinds", {})
+    if kinds:
+        lines.append(f"{'kind':<16}{'hits':>10}{'misses':>10}{'hit bytes':>14}{'saved':>12}")
+        for kind, c in sorted(kinds.items()):
+            lines.append(f"{kind:<16}{c['hits']:>10}{c['misses']:>10}{format_size(c['hit_bytes']):>14}"
+                         f"{c['seconds_saved']:>11.1f}s")
+    return disk, "\n".join(lines), 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        infos = store.ls(kind=args.kind)[: args.limit or None]
+    rows = [{"key": i.hex, "kind": i.kind, "size": i.size, "cost_s": i.cost_s, "hits": i.hits,
+             "created": i.created, "last_hit": i.last_hit, "parent": i.parent.hex() if i.parent else None,
+             "expires": i.expires} for i in infos]
+    lines = [f"{'key':<18}{'kind':<16}{'size':>11}{'cost':>9}{'hits':>7}  last hit"]
+    lines += [f"{r['key'][:16]}  {r['kind']:<16}{format_size(r['size']):>11}{r['cost_s']:>8.3f}s{r['hits']:>7}"
+              f"  {_when(r['last_hit'])}" for r in rows]
+    return rows, "\n".join(lines), 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        report = store.verify()
+    text = f"checked {report['checked']} entries: " + ("ok" if report["ok"] else "PROBLEMS")
+    text += "".join(f"\n  {p}" for p in report["problems"])
+    return report, text, 0 if report["ok"] else 1
+
+
+def _cmd_gc(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        report = store.gc()
+    disk = next((r for r in report["tiers"] if r.get("tier") == "disk"), {})
+    text = (f"expired {disk.get('expired', 0)}, evicted {disk.get('evicted', 0)}, temp files "
+            f"{disk.get('temp_files', 0)}, orphan files {disk.get('orphan_files', 0)}, missing "
+            f"{disk.get('missing_files', 0)}; freed {format_size(disk.get('freed_bytes', 0))}")
+    return report, text, 0
+
+
+def _cmd_export(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        n = store.export_bundle(args.bundle, keys=args.key or None, kind=args.kind)
+    size = Path(args.bundle).stat().st_size
+    return {"entries": n, "bundle": args.bundle, "bytes": size}, f"wrote {n} entries ({format_size(size)}) to {args.bundle}", 0
+
+
+def _cmd_import(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args, create=True) as store:
+        n = store.import_bundle(args.bundle)
+    return {"entries": n, "bundle": args.bundle}, f"imported {n} entries from {args.bundle}", 0
+
+
+Command = Callable[[argparse.Namespace], "tuple[Any, str, int]"]
+# Adapters add their own commands here (e.g. ``warm-classes`` from promptstore.vision).
+EXTRA_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for docs and tests)."""
+    parser = argparse.ArgumentParser(prog="promptstore", description="Inspect and maintain a promptstore folder.")
+    _common(parser, suppress=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_: str, fn: Command) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        _common(p, suppress=True)
+        p.set_defaults(fn=fn)
+        return p
+
+    add("stats", "entries, bytes, hits and misses per kind", _cmd_stats)
+    p = add("ls", "list entries, most recently hit first", _cmd_ls)
+    p.add_argument("--kind")
+    p.add_argument("--limit", type=int, default=50, help="rows to show (0: all)")
+    add("verify", "checksum every entry; drop broken ones (exit 1 if any)", _cmd_verify)
+    add("gc", "drop expired entries and leftovers of interrupted writes", _cmd_gc)
+    p = add("export", "write entries to a bundle file", _cmd_export)
+    p.add_argument("bundle")
+    p.add_argument("--kind")
+    p.add_argument("--key", action="append", help="a key (hex) to export; repeatable")
+    p = add("import", "verify a bundle, then store its entries", _cmd_import)
+    p.add_argument("bundle")
+    for name, (help_, configure, fn) in EXTRA_COMMANDS.items():
+        configure(add(name, help_, fn))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    _load_adapter_commands()
+    args = build_parser().parse_args(argv)
+    try:
+        data, text, code = args.fn(args)
+    except (PromptStoreError, OSError) as exc:
+        print(f"promptstore: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(data, indent=1, default=str) if args.json else text)
+    return code
+
+
+def _load_adapter_commands() -> None:
+    # The vision adapter registers `warm-classes`; importing it is cheap (torch is lazy).
+    try:
+        import promptstore.vision  # noqa: F401
+    except ImportError:
+        pass

@@ -1,0 +1,75 @@
+"""Every error and warning promptstore raises.
+
+Each error is also the matching built-in error (``InvalidKeyError`` is a ``ValueError``,
+``StorePathError`` a ``NotADirectoryError``...), so callers may catch either.
+Faults of a cache tier (disk full, Redis gone, a corrupt entry) are never raised to the
+caller: they become misses with a :class:`PromptStoreWarning`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PromptStoreError",
+    "InvalidKeyError",
+    "InvalidEntryError",
+    "UnsupportedDtypeError",
+    "CorruptEntryError",
+    "FormatVersionError",
+    "BundleError",
+    "StorePathError",
+    "InvalidSizeError",
+    "ConfigError",
+    "TierUnavailableError",
+    "PromptStoreWarning",
+]
+
+
+class PromptStoreError(Exception):
+    """Base class of every promptstore error."""
+
+
+class InvalidKeyError(PromptStoreError, ValueError):
+    """A key is not 32 bytes (or 64 hex characters), or not bytes/str at all."""
+
+
+class InvalidEntryError(PromptStoreError, ValueError):
+    """An entry to store is malformed: tensors, kind, metadata, cost, parent or TTL."""
+
+
+class UnsupportedDtypeError(InvalidEntryError, TypeError):
+    """A tensor's dtype cannot be stored (object, string, complex, ...)."""
+
+
+class CorruptEntryError(PromptStoreError, ValueError):
+    """Encoded entry bytes fail to parse or their checksum does not match.
+
+    Raised by the codec; the store turns it into a miss and drops the entry.
+    """
+
+
+class FormatVersionError(PromptStoreError, RuntimeError):
+    """A store folder or bundle was written by a newer promptstore format."""
+
+
+class BundleError(PromptStoreError, ValueError):
+    """A bundle file is malformed, truncated or fails its checksums; nothing was imported."""
+
+
+class StorePathError(PromptStoreError, NotADirectoryError):
+    """The store path is not usable as a store folder (it is a file, or a foreign folder)."""
+
+
+class InvalidSizeError(PromptStoreError, ValueError):
+    """A byte size such as ``"2GiB"`` could not be parsed, or is negative."""
+
+
+class ConfigError(PromptStoreError, ValueError):
+    """An invalid store option (namespace type, Redis URL, ...)."""
+
+
+class TierUnavailableError(PromptStoreError, ConnectionError):
+    """A tier cannot be used at construction time (e.g. wrong Redis credentials)."""
+
+
+class PromptStoreWarning(UserWarning):
+    """A cache fault that was absorbed: the operation became a miss or a skipped write."""
