@@ -74,12 +74,14 @@ def _normalise(name: object, value: Any) -> tuple[str, str, np.ndarray]:
             raise UnsupportedDtypeError(f"tensor {name!r}: unknown safetensors dtype {st!r}")
         if not isinstance(arr, np.ndarray):
             raise InvalidEntryError(f"tensor {name!r}: expected a numpy array, got {type(arr).__name__}")
-        if arr.dtype.itemsize != _ST_TO_NP[st].itemsize or arr.dtype.kind not in "uifb":
+        if arr.dtype.itemsize != _ST_TO_NP[st].itemsize or arr.dtype.kind not in "ui":
             raise UnsupportedDtypeError(
                 f"tensor {name!r}: raw {st} bits need a {_ST_TO_NP[st].itemsize}-byte integer array, got {arr.dtype}"
             )
-        arr = arr.view(_ST_TO_NP[st]) if arr.dtype.kind in "ui" else arr
+        arr = arr.view(_ST_TO_NP[st])
     else:
+        if isinstance(value, np.generic):
+            value = np.asarray(value)
         if not isinstance(value, np.ndarray):
             raise InvalidEntryError(f"tensor {name!r}: expected a numpy array, got {type(value).__name__}")
         arr = value
@@ -93,7 +95,8 @@ def _normalise(name: object, value: Any) -> tuple[str, str, np.ndarray]:
     target = _ST_TO_NP[st]
     if arr.dtype != target:
         arr = arr.astype(target)
-    return name, st, np.ascontiguousarray(arr)
+    # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return name, st, arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def _text(name: str, value: object, *, allow_empty: bool = False, limit: int = 1024) -> str:
@@ -208,7 +211,7 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
         raise _corrupt("header is not a JSON object")
     md = header.pop("__metadata__", None)
     if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
-        raise _corrupt("missing or malformed __metadata__")
+        raise _corrupt("not a promptstore entry: missing or malformed __metadata__")
     if md.get("format") != "promptstore" or md.get("version") != str(ENTRY_VERSION):
         raise _corrupt(f"not a promptstore v{ENTRY_VERSION} entry (format={md.get('format')!r}, version={md.get('version')!r})")
     try:
@@ -216,7 +219,7 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
         parent = bytes.fromhex(md["parent"]) if md["parent"] else None
         cost_s = float(md["cost_s"])
         ttl_s = float(md["ttl_s"]) if md["ttl_s"] else None
-        meta = json.loads(md["meta"])
+        meta = {} if md["meta"] == "{}" else json.loads(md["meta"])
         kind, namespace, checksum = md["kind"], md["namespace"], md["checksum"]
     except (KeyError, ValueError, TypeError) as exc:
         raise _corrupt(f"malformed metadata: {exc!r}") from None
@@ -262,10 +265,10 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
     dtypes: dict[str, str] = {}
     for b, e, name, st, dtype, shape in sorted(spans, key=lambda s: s[2]):
         if e > b:
-            arr = np.frombuffer(buf, dtype=dtype, count=(e - b) // dtype.itemsize, offset=start + b).reshape(shape)
+            arr = np.frombuffer(buf, dtype=dtype, count=(e - b) // dtype.itemsize, offset=start + b).reshape(tuple(shape))
             arr.flags.writeable = False
         else:
-            arr = np.empty(shape, dtype=dtype)
+            arr = np.empty(tuple(shape), dtype=dtype)
             arr.flags.writeable = False
         tensors[name] = arr
         dtypes[name] = st

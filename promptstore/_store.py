@@ -201,7 +201,7 @@ class PromptStore:
             InvalidKeyError: ``key`` is not a key.
         """
         k = key if type(key) is bytes and len(key) == 32 else coerce_key(key)
-        label = kind or "unknown"
+        missed: list[str] = []
         for i, tier in enumerate(self._tiers):
             # Inlined _guard: this is the hot path of every memory hit.
             try:
@@ -213,12 +213,18 @@ class PromptStore:
                 if self._warned:
                     self._recovered(tier, "get")
             if entry is None or entry.namespace != self.namespace or (kind is not None and entry.kind != kind):
-                self._stats.miss(label, tier.name)
+                missed.append(tier.name)
                 continue
+            # Misses in the tiers above are counted once the kind is known.
+            for name in missed:
+                self._stats.miss(entry.kind, name)
             self._stats.hit(entry.kind, tier.name, entry.size, entry.cost_s)
             for upper in self._tiers[:i]:
                 self._guard(upper, "put", upper.put, entry)
             return entry
+        label = kind or "unknown"
+        for name in missed:
+            self._stats.miss(label, name)
         self._stats.store_miss(label)
         return None
 
@@ -228,8 +234,17 @@ class PromptStore:
 
     def delete(self, key: Key | str) -> bool:
         """Remove ``key`` from every tier, with every entry chained from it. True if anything went."""
-        k = coerce_key(key)
-        return sum(self._guard(t, "delete", t.delete, k, default=0) for t in self._tiers) > 0
+        # A tier only knows the chain links of what it holds (a child may have been promoted
+        # into memory without its parent), so what any tier removes is removed from all.
+        todo, gone = [coerce_key(key)], set()
+        while todo:
+            k = todo.pop()
+            for tier in self._tiers:
+                for removed in self._guard(tier, "delete", tier.delete, k, default=[]):
+                    if removed not in gone:
+                        gone.add(removed)
+                        todo.append(removed)
+        return bool(gone)
 
     def ls(self, kind: str | None = None) -> list[EntryInfo]:
         """Describe every entry in any tier (newest hit first), without reading tensors."""

@@ -49,8 +49,8 @@ class Tier(ABC):
         """Store ``entry`` (replacing the same key), evicting as needed. False: refused."""
 
     @abstractmethod
-    def delete(self, key: bytes) -> int:
-        """Remove ``key`` and every entry chained from it; return how many went."""
+    def delete(self, key: bytes) -> list[bytes]:
+        """Remove ``key`` and every entry chained from it; return the keys that went."""
 
     @abstractmethod
     def contains(self, key: bytes) -> str | None:

@@ -328,8 +328,9 @@ class DiskTier(Tier):
             db = self._conn()
             db.execute("BEGIN IMMEDIATE")
             try:
-                yield db
+                # Pending hits first, so an eviction in this transaction sees them.
                 self._write_counters(db)
+                yield db
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -501,11 +502,11 @@ class DiskTier(Tier):
         self._unlink_removed(removed)
         return True
 
-    def delete(self, key: bytes) -> int:
+    def delete(self, key: bytes) -> list[bytes]:
         with self._txn() as db:
             removed = _SqlIndex(db).remove_tree(key, "deleted")
         self._unlink_removed(removed)
-        return len(removed)
+        return [r.key for r in removed]
 
     def contains(self, key: bytes) -> str | None:
         with self._lock:

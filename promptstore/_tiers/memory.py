@@ -203,9 +203,9 @@ class MemoryTier(Tier):
             self.evictions += sum(r.reason == "evicted" for r in removed)
             return key in self._recs
 
-    def delete(self, key: bytes) -> int:
+    def delete(self, key: bytes) -> list[bytes]:
         with self._lock:
-            return len(self.remove_tree(key, "deleted"))
+            return [r.key for r in self.remove_tree(key, "deleted")]
 
     def contains(self, key: bytes) -> str | None:
         with self._lock:

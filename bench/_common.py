@@ -1,0 +1,62 @@
+"""Helpers shared by the benchmarks: describe the machine, draw plain bar charts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def machine() -> dict:
+    """Cores, CPU model, memory, Python and (if importable) torch versions."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    except (ValueError, OSError):
+        mem_gib = float("nan")
+    info = {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_gib, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    info["summary"] = f"{info['cores']} cores ({cpu}), {info['memory_gib']} GiB, Python {info['python']}" + (
+        f", torch {info['torch']}" if "torch" in info else "")
+    return info
+
+
+def save_bar_chart(path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str,
+                   log: bool = False) -> None:
+    """Grouped bars: one group per x label, one bar per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (name, values) in enumerate(series.items()):
+        bars = ax.bar(x + i * width - 0.4 + width / 2, values, width, label=name)
+        ax.bar_label(bars, fmt="%.2g", fontsize=7)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

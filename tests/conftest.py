@@ -1,0 +1,79 @@
+"""Shared fixtures: a fake clock, entry builders, and running code in fresh Python processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from promptstore._codec import decode, encode, prepare
+from promptstore._entry import Entry
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeClock:
+    """A wall clock the test moves by hand."""
+
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_entry(
+    key: bytes,
+    tensors: dict | None = None,
+    *,
+    kind: str = "test",
+    cost_s: float = 0.0,
+    parent: bytes | None = None,
+    ttl_s: float | None = None,
+    meta: dict | None = None,
+    namespace: str = "",
+) -> Entry:
+    """An entry exactly as the store hands it to a tier (encoded once, decoded as views)."""
+    if tensors is None:
+        tensors = {"x": np.arange(4, dtype=np.float32)}
+    prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, parent=parent, ttl_s=ttl_s, meta=meta,
+                       namespace=namespace)
+    return decode(encode(prepared), verify=False)
+
+
+def key_of(i: int | str) -> bytes:
+    from promptstore import make_key
+
+    return make_key("test", str(i))
+
+
+def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a real separate process)."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        x, y = np.asarray(a[name]), np.asarray(b[name])
+        assert x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name
