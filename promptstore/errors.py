@@ -20,6 +20,9 @@ __all__ = [
     "InvalidSizeError",
     "ConfigError",
     "TierUnavailableError",
+    "InvalidInputError",
+    "ModelUnavailableError",
+    "UnsupportedModelError",
     "PromptStoreWarning",
 ]
 
@@ -69,6 +72,19 @@ class ConfigError(PromptStoreError, ValueError):
 
 class TierUnavailableError(PromptStoreError, ConnectionError):
     """A tier cannot be used at construction time (e.g. wrong Redis credentials)."""
+
+
+class InvalidInputError(PromptStoreError, ValueError):
+    """Input to an adapter is unusable: empty or out-of-vocabulary token ids, a padded
+    batch, empty or duplicate class names, a malformed prompt-embedding file..."""
+
+
+class ModelUnavailableError(PromptStoreError, FileNotFoundError):
+    """A model or weights file is not on this machine; the message says how to get it."""
+
+
+class UnsupportedModelError(PromptStoreError, TypeError):
+    """The model's structure is not one the adapter can cache exactly (e.g. sliding-window KV)."""
 
 
 class PromptStoreWarning(UserWarning):

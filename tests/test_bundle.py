@@ -8,9 +8,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import assert_same_tensors
 from promptstore import PromptStore
 from promptstore.errors import BundleError, FormatVersionError
+
+from conftest import assert_same_tensors
 
 
 def arr(i: int) -> np.ndarray:

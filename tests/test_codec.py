@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from conftest import make_entry
 from promptstore._codec import decode, encode, prepare
 from promptstore.errors import CorruptEntryError, InvalidEntryError, InvalidKeyError, UnsupportedDtypeError
+
+from conftest import make_entry
 
 KEY = bytes(range(32))
 

@@ -7,9 +7,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from conftest import run_python
 from promptstore import PromptStore, chain_keys, make_key
 from promptstore.errors import InvalidKeyError
+
+from conftest import run_python
 
 # Pinned: if one of these changes, every stored cache in the world goes cold. Bump the
 # format tag (promptstore/2) instead of editing them.

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import venv
 import zipfile
-from pathlib import Path
 
 from conftest import REPO
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -119,7 +117,7 @@ def test_processes_share_one_folder(tmp_path):
                                str(path), str(w), "1500"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for w in range(4)]
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
     assert sum(int(o.strip()) for o, _ in outs) > 100  # they did read each other's entries
     with PromptStore(path, memory_bytes=0) as s:

@@ -113,11 +113,11 @@ class StoreVsDict(RuleBasedStateMachine):
             assert stored <= model
 
     @invariant()
-    def no_orphaned_chains_on_disk(self):
-        disk = self.store.tiers[-1]
-        present = {i.key: i.parent for i in disk.infos()}
-        for k, parent in present.items():
-            assert parent is None or parent in present
+    def every_tier_holds_whole_chains(self):
+        for tier in self.store.tiers:
+            present = {i.key: i.parent for i in tier.infos()}
+            for parent in present.values():
+                assert parent is None or parent in present
 
 
 class BoundedStoreVsDict(StoreVsDict):

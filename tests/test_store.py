@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_same_tensors, run_python
 from promptstore import PromptStore, format_size, parse_size
 from promptstore.errors import (
     FormatVersionError,
@@ -22,6 +21,8 @@ from promptstore.errors import (
     StorePathError,
     UnsupportedDtypeError,
 )
+
+from conftest import assert_same_tensors, run_python
 
 
 @pytest.fixture
@@ -358,3 +359,23 @@ def test_gc_removes_leftovers_of_dead_writers(tmp_path):
         assert (report["temp_files"], report["orphan_files"]) == (1, 1)
         assert live_tmp.exists()  # its writer (us) is alive and the file is fresh
         assert s.get(k) is not None and s.verify()["ok"]
+
+
+def test_disk_gets_the_ancestors_it_lacks(tmp_path):
+    """A chain whose root was evicted from disk but is still in memory is written back whole."""
+    with PromptStore(tmp_path / "s", memory_bytes="1MiB", disk_bytes="1MiB") as s:
+        root, child = s.key("llm.kv", "root"), s.key("llm.kv", "child")
+        s.put(root, {"x": arr(1)}, kind="llm.kv")
+        s.tiers[1].delete(root)  # as if evicted from disk only
+        s.put(child, {"x": arr(2)}, kind="llm.kv", parent=root)
+        disk = {i.key: i.parent for i in s.tiers[1].infos()}
+        assert disk == {root: None, child: root}
+
+
+def test_a_tier_that_refuses_a_new_value_drops_the_old_one(tmp_path):
+    with PromptStore(tmp_path / "s", memory_bytes=4096, disk_bytes="1MiB") as s:
+        k = s.key("t", "a")
+        s.put(k, {"x": arr(1, 10)}, kind="t")
+        with pytest.warns(PromptStoreWarning, match="exceeds the tier budget"):
+            s.put(k, {"x": arr(2, 5000)}, kind="t")  # too big for memory, fine for disk
+        assert_same_tensors(s.get(k).tensors, {"x": arr(2, 5000)})

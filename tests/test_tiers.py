@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from promptstore._tiers import DiskTier, MemoryTier
+
 from tier_contract import TierContract
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import FakeClock, assert_same_tensors, key_of, make_entry
 from promptstore._tiers.base import Tier
+
+from conftest import FakeClock, assert_same_tensors, key_of, make_entry
 
 MB = 1024 * 1024
 
@@ -176,6 +177,15 @@ class TierContract:
         assert tier.contains(key_of("p")) is not None
         assert tier.contains(key_of("c")) is None
         assert tier.get(key_of("x")) is not None
+        tier.close()
+
+    def test_budget_holds_when_only_a_chain_is_left(self, clock):
+        tier = self.make_tier(3 * MB, clock, sizeof=fake_size)
+        tier.put(make_entry(key_of("p"), cost_s=9.0, meta={"fake_size": str(2 * MB)}))
+        # The child cannot make room by evicting its own parent, so it goes itself.
+        assert not tier.put(make_entry(key_of("c"), parent=key_of("p"), meta={"fake_size": str(2 * MB)}))
+        assert tier.usage()["bytes"] <= 3 * MB
+        assert tier.contains(key_of("p")) is not None
         tier.close()
 
     # -- TTL -----------------------------------------------------------------------------------

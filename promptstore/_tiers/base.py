@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._entry import Entry, EntryInfo
+from ..errors import PromptStoreWarning
 
 __all__ = ["Tier", "Clock", "SizeOf"]
 
@@ -35,6 +37,18 @@ class Tier(ABC):
     def sizeof(self, entry: Entry) -> int:
         """Bytes the entry counts against this tier's budget (injectable for tests)."""
         return self._sizeof(entry) if self._sizeof is not None else entry.size
+
+    def fits(self, entry: Entry, size: int) -> bool:
+        """Whether ``entry`` can fit at all; warns when it cannot (it is refused, nothing is evicted)."""
+        if size <= self.budget:
+            return True
+        warnings.warn(
+            f"{self.name} tier: entry {entry.hex[:16]}… ({size} bytes) exceeds the tier budget "
+            f"({self.budget} bytes); not stored in this tier",
+            PromptStoreWarning,
+            stacklevel=4,
+        )
+        return False
 
     @abstractmethod
     def get(self, key: bytes, kind: str | None = None) -> Entry | None:

@@ -182,7 +182,8 @@ def check_folder(root: Path) -> None:
             )
         # Layout 1 is the first; older layouts, when there are some, are migrated here.
         return
-    foreign = [p.name for p in root.iterdir() if not p.name.startswith("." + VERSION_FILE)]
+    # "models" holds converted model copies (promptstore.llm.load_model) beside a store.
+    foreign = [p.name for p in root.iterdir() if not p.name.startswith("." + VERSION_FILE) and p.name != "models"]
     if foreign:
         raise StorePathError(
             f"{root} is not empty and is not a promptstore folder (found {foreign[:3]}); "
@@ -451,13 +452,7 @@ class DiskTier(Tier):
 
     def put(self, entry: Entry) -> bool:
         size = self.sizeof(entry)
-        if size > self.budget:
-            warnings.warn(
-                f"disk tier: entry {entry.hex[:16]}… ({size} bytes) exceeds the tier budget "
-                f"({self.budget} bytes); not written to disk",
-                PromptStoreWarning,
-                stacklevel=3,
-            )
+        if not self.fits(entry, size):
             return False
         key, hexkey = entry.key, entry.hex
         file = f"{hexkey[:2]}/{hexkey}.{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
@@ -500,7 +495,7 @@ class DiskTier(Tier):
         if old is not None and old[0] != file:
             _unlink(self.entries_dir / old[0])
         self._unlink_removed(removed)
-        return True
+        return all(r.key != key for r in removed)
 
     def delete(self, key: bytes) -> list[bytes]:
         with self._txn() as db:

