@@ -55,7 +55,7 @@ def save_bar_chart(path: Path, title: str, groups: list[str], series: dict[str, 
     ax.set_title(title)
     if log:
         ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -114,7 +114,7 @@ def main() -> None:
             print(f"  {length:>5} tokens: full {full * 1e3:8.1f} ms  memory hit {mem * 1e3:8.1f} ms  "
                   f"disk hit {disk * 1e3:8.1f} ms  (full/memory {full / mem:5.1f}x, full/disk {full / disk:5.1f}x)",
                   flush=True)
-        del model, pc
+        model = pc = None  # free the GPU memory before the next shape
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print("\n| model | prefix tokens | full prefill | memory hit | disk hit | full/memory | full/disk |")

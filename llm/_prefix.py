@@ -266,7 +266,6 @@ class PrefixCache:
         return tuple(torch.from_numpy(np.empty(shape, np_dtype)) for _ in range(2))
 
     def _copy_in(self, buffers: tuple[Any, Any], entry: Entry, block: int, limit: int) -> None:
-        import torch
 
         lo = block * self.block_tokens
         hi = min(lo + self.block_tokens, limit)

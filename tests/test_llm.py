@@ -13,10 +13,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import run_python
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, ModelUnavailableError
 from promptstore.llm import PrefixCache, load_model
+
+from conftest import run_python
 
 ATOL = 1e-4
 

@@ -1,0 +1,299 @@
+"""promptstore.vision against a real YOLOE (yoloe-11s-seg.yaml) and a real MobileCLIP2-B text
+tower (open_clip, random weights from a fixed seed): right shapes, right cost, exact checks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import ultralytics
+from ultralytics import YOLOE
+from ultralytics.utils import ASSETS
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, ModelUnavailableError
+from promptstore.vision import (
+    OpenCLIPTextEncoder,
+    UltralyticsTextEncoder,
+    export_npz,
+    import_npz,
+    set_classes,
+    visual_pe,
+)
+
+from conftest import run_python
+
+WAREHOUSE = ["forklift", "pallet", "cardboard box", "safety vest", "hard hat", "person", "pallet jack", "ladder"]
+LVIS = Path(ultralytics.__file__).parent / "cfg" / "datasets" / "lvis.yaml"
+
+
+def yoloe(seed: int = 0) -> YOLOE:
+    torch.manual_seed(seed)  # a yaml-built YOLOE is random: a seed makes "the same weights"
+    return YOLOE("yoloe-11s-seg.yaml")
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return OpenCLIPTextEncoder("MobileCLIP2-B", seed=0)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
+        yield s
+
+
+def lvis_names(n: int) -> list[str]:
+    import yaml
+
+    return list(yaml.safe_load(LVIS.read_text())["names"].values())[:n]
+
+
+def test_applied_pe_is_the_heads_mapping_of_the_encoder_output(encoder, store):
+    model = yoloe()
+    report = set_classes(model, WAREHOUSE, store=store, encoder=encoder)
+    assert (report.misses, report.hits, report.encoder_loaded) == (len(WAREHOUSE), 0, True)
+    feats = encoder.encode(WAREHOUSE)
+    with torch.no_grad():
+        expected = model.model.model[-1].get_tpe(torch.from_numpy(feats)[None])
+    assert (model.model.pe - expected).abs().max().item() <= 1e-5
+    assert list(model.model.names.values()) == WAREHOUSE
+    results = model.predict(str(ASSETS / "bus.jpg"), verbose=False)
+    assert len(results) == 1 and results[0].boxes is not None  # random weights: maybe no boxes, but it runs
+
+
+def test_warm_set_classes_in_a_fresh_process_never_builds_the_encoder(encoder, tmp_path):
+    folder = tmp_path / "store"
+    set_classes(yoloe(), WAREHOUSE, store=PromptStore(folder), encoder=encoder)
+    out = run_python(
+        f"""
+        import json, torch
+        from ultralytics import YOLOE
+        from promptstore import PromptStore
+        from promptstore.vision import OpenCLIPTextEncoder, set_classes
+
+        class NoBuild(OpenCLIPTextEncoder):
+            def _build(self):
+                raise AssertionError("the encoder was built on a full hit")
+
+        torch.manual_seed(0)
+        model = YOLOE("yoloe-11s-seg.yaml")
+        names = {WAREHOUSE!r}
+        r = set_classes(model, names, store=PromptStore({str(folder)!r}), encoder=NoBuild("MobileCLIP2-B"))
+        r2 = set_classes(model, names[::-1], store=PromptStore({str(folder)!r}), encoder=NoBuild("MobileCLIP2-B"))
+        print(json.dumps([r.hits, r.misses, r.encoder_loaded, r.from_set, r2.hits, r2.misses, r2.from_set]))
+        """
+    )
+    assert json.loads(out.stdout.splitlines()[-1]) == [8, 0, False, True, 8, 0, False]
+
+
+def test_changing_the_head_misses_pe_but_hits_text_and_changing_the_encoder_misses_both(encoder, store):
+    set_classes(yoloe(), WAREHOUSE, store=store, encoder=encoder)
+    other_head = yoloe()
+    with torch.no_grad():
+        next(other_head.model.model[-1].reprta.parameters()).add_(0.01)
+    r = set_classes(other_head, WAREHOUSE, store=store, encoder=encoder)
+    assert (r.hits, r.text_hits, r.misses, r.encoder_loaded) == (0, 8, 0, True)  # encoder object already built
+    r = set_classes(yoloe(), WAREHOUSE, store=store, encoder=OpenCLIPTextEncoder("MobileCLIP2-B", seed=1))
+    assert (r.hits, r.text_hits, r.misses) == (0, 0, 8)
+
+
+def test_partial_overlap_encodes_only_new_names(encoder, store):
+    model = yoloe()
+    set_classes(model, WAREHOUSE[:5], store=store, encoder=encoder)
+    r = set_classes(model, WAREHOUSE[3:], store=store, encoder=encoder)
+    assert (r.hits, r.misses) == (2, 3)
+
+
+def test_trimmed_context_equals_the_77_token_context(encoder):
+    names = lvis_names(48) + ["a very long class name about a yellow forklift carrying three wooden pallets"]
+    trimmed = encoder.encode(names)
+    encoder.trim = False
+    try:
+        full = encoder.encode(names)
+    finally:
+        encoder.trim = True
+    assert np.abs(trimmed - full).max() <= 1e-5
+    assert np.allclose(np.linalg.norm(trimmed, axis=1), 1.0, atol=1e-5)
+    # and against open_clip's own encode_text on the full context
+    import open_clip
+
+    with torch.no_grad():
+        ref = encoder._build().encode_text(open_clip.get_tokenizer("MobileCLIP2-B")(names), normalize=True)
+    assert np.abs(trimmed - ref.numpy()).max() <= 1e-5
+
+
+def test_npz_written_by_us_loads_in_ultralytics(encoder, store, tmp_path):
+    model = yoloe()
+    set_classes(model, WAREHOUSE, store=store, encoder=encoder)
+    export_npz(model, tmp_path / "classes.npz")
+    other = yoloe()
+    other.load_prompt_embeddings(tmp_path / "classes.npz")
+    assert torch.equal(other.model.pe, model.model.pe)
+    assert list(other.model.names.values()) == WAREHOUSE
+
+
+def test_npz_written_by_ultralytics_imports_and_then_hits_without_an_encoder(encoder, store, tmp_path):
+    source = yoloe()
+    set_classes(source, WAREHOUSE, store=PromptStore(tmp_path / "elsewhere"), encoder=encoder)
+    source.save_prompt_embeddings(tmp_path / "theirs.npz")
+    target = yoloe()
+    report = import_npz(target, tmp_path / "theirs.npz", store=store)
+    assert report.names == 8 and torch.equal(target.model.pe, source.model.pe)
+    # The default encoder (this model's mobileclip:blt) is not on disk, and is not needed:
+    fresh = yoloe()
+    r = set_classes(fresh, WAREHOUSE[:4], store=store)
+    assert (r.hits, r.misses, r.encoder_loaded) == (4, 0, False)
+    assert torch.equal(fresh.model.pe, source.model.pe[:, :4])
+    with pytest.raises(ModelUnavailableError, match="mobileclip_blt.ts"):
+        set_classes(fresh, ["something new"], store=store)
+
+
+def test_class_prompt_bundle_moves_to_a_new_folder(encoder, store, tmp_path):
+    set_classes(yoloe(), WAREHOUSE, store=store, encoder=encoder)
+    assert store.export_bundle(tmp_path / "classes.psb", kind="vision.pe") == 8
+    with PromptStore(tmp_path / "new") as new:
+        assert new.import_bundle(tmp_path / "classes.psb") == 8
+        r = set_classes(yoloe(), WAREHOUSE, store=new, encoder=OpenCLIPTextEncoder("MobileCLIP2-B"))
+        assert (r.hits, r.misses, r.encoder_loaded) == (8, 0, False)
+
+
+@pytest.mark.parametrize("names", [[], ["a", "a"], ["ok", 3], [" "], [""], "forklift", ["x", None]])
+def test_bad_names_store_nothing_and_leave_the_model_alone(encoder, store, names):
+    model = yoloe()
+    set_classes(model, ["person"], store=store, encoder=encoder)
+    before_names, before_pe, before_entries = dict(model.model.names), model.model.pe.clone(), len(store.ls())
+    with pytest.raises(InvalidInputError):
+        set_classes(model, names, store=store, encoder=encoder)
+    assert model.model.names == before_names and torch.equal(model.model.pe, before_pe)
+    assert len(store.ls()) == before_entries
+
+
+def _npz(path, **overrides):
+    data = {"embeddings": np.random.default_rng(0).standard_normal((1, 2, 512)).astype(np.float32),
+            "names": np.asarray(["a", "b"], dtype=np.str_), "model": np.asarray("yoloe-11s", dtype=np.str_)}
+    data.update(overrides)
+    np.savez(path, **{k: v for k, v in data.items() if v is not None})
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"embeddings": np.full((1, 2, 512), np.nan, np.float32)},
+        {"embeddings": np.zeros((1, 2, 256), np.float32)},
+        {"embeddings": np.zeros((1, 2, 512), np.float64)},
+        {"model": np.asarray("yoloe-26l", dtype=np.str_)},
+        {"extra": np.zeros(1)},
+        {"names": None},
+        {"names": np.asarray(["a", "a"], dtype=np.str_)},
+        {"names": np.asarray([{"pickled": True}, 2], dtype=object)},
+    ],
+)
+def test_bad_npz_is_refused_and_changes_nothing(store, tmp_path, bad):
+    model = yoloe()
+    before = dict(model.model.names)
+    path = _npz(tmp_path / "bad.npz", **bad)
+    with pytest.raises(InvalidInputError):
+        import_npz(model, path, store=store)
+    assert model.model.names == before and store.ls() == []
+
+
+def test_not_an_npz_at_all(store, tmp_path):
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(InvalidInputError):
+        import_npz(yoloe(), tmp_path / "junk.npz", store=store)
+
+
+def test_ultralytics_encoder_says_where_its_file_goes(tmp_path):
+    enc = UltralyticsTextEncoder("mobileclip:blt")
+    assert enc.fingerprint == "ultralytics:mobileclip:blt:published:mobileclip_blt.ts" and not enc.loaded
+    with pytest.raises(ModelUnavailableError, match="weights folder"):
+        enc.encode(["forklift"])
+    with pytest.raises(InvalidInputError):
+        UltralyticsTextEncoder("clip:ViT-B/32")
+
+
+def test_ultralytics_encoder_runs_a_torchscript_file(tmp_path, encoder):
+    """A TorchScript text encoder built here from the open_clip tower stands in for mobileclip_blt.ts."""
+
+    class Tower(torch.nn.Module):
+        def __init__(self, enc):
+            super().__init__()
+            self.model = enc._build()
+
+        def forward(self, tokens):
+            return torch.nn.functional.normalize(self.model.encode_text(tokens), dim=-1)
+
+    import open_clip
+
+    tokens = open_clip.tokenize(["forklift", "pallet"])
+    traced = torch.jit.trace(Tower(encoder).eval(), tokens, check_trace=False)
+    path = tmp_path / "mobileclip_blt.ts"
+    traced.save(str(path))
+    enc = UltralyticsTextEncoder("mobileclip:blt", weights=path)
+    assert enc.fingerprint.startswith("ultralytics:mobileclip:blt:file:")
+    feats = enc.encode(["forklift", "pallet", "hard hat"])
+    assert feats.shape == (3, 512) and np.abs(feats - encoder.encode(["forklift", "pallet", "hard hat"])).max() <= 1e-5
+
+
+def test_yoloworld_gets_raw_text_features(store):
+    from ultralytics import YOLOWorld
+
+    torch.manual_seed(0)
+    model = YOLOWorld("yolov8s-worldv2.yaml")
+    enc = OpenCLIPTextEncoder("ViT-B-32", seed=0)
+    report = set_classes(model, WAREHOUSE[:3], store=store, encoder=enc)
+    assert report.misses == 3
+    assert np.abs(model.model.txt_feats[0].numpy() - enc.encode(WAREHOUSE[:3])).max() <= 1e-5
+    assert model.model.model[-1].nc == 3
+    assert len(model.predict(str(ASSETS / "bus.jpg"), verbose=False)) == 1
+
+
+def test_visual_prompts_are_computed_once(store):
+    prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5]]), "cls": np.array([0])}
+    model = yoloe()
+    first = visual_pe(model, ASSETS / "bus.jpg", prompts, store=store)
+    assert not first.hit and first.classes == 1
+    vpe = model.model.pe.clone()
+    # ultralytics' own path gives the same embedding
+    reference = yoloe()
+    reference.predict(str(ASSETS / "bus.jpg"), visual_prompts=prompts, refer_image=str(ASSETS / "bus.jpg"), verbose=False)
+    assert (reference.model.pe - vpe).abs().max().item() <= 1e-5
+    again = yoloe()
+    second = visual_pe(again, ASSETS / "bus.jpg", prompts, store=store)
+    assert second.hit and torch.equal(again.model.pe, vpe)
+    assert len(again.predict(str(ASSETS / "zidane.jpg"), verbose=False)) == 1
+    moved = {"bboxes": prompts["bboxes"] + 1.0, "cls": prompts["cls"]}
+    assert not visual_pe(again, ASSETS / "bus.jpg", moved, store=store).hit
+
+
+@pytest.mark.parametrize("prompts", [{}, {"bboxes": np.zeros((1, 3)), "cls": np.array([0])},
+                                     {"bboxes": np.zeros((2, 4)), "cls": np.array([0])},
+                                     {"bboxes": np.array([[0, 0, np.nan, 1]]), "cls": np.array([0])}])
+def test_bad_visual_prompts(store, prompts):
+    with pytest.raises(InvalidInputError):
+        visual_pe(yoloe(), ASSETS / "bus.jpg", prompts, store=store)
+    assert store.ls() == []
+
+
+def test_warm_classes_cli(tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(WAREHOUSE) + "\n")
+    exe = Path(sys.executable).parent / "promptstore"
+    cmd = [str(exe), "--dir", str(tmp_path / "s"), "--json", "warm-classes", str(names), "--encoder", "open_clip:MobileCLIP2-B"]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert (first["encoded"], first["already_stored"]) == (8, 0)
+    second = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert (second["encoded"], second["already_stored"]) == (0, 8)
+    with_detector = subprocess.run([*cmd, "--detector", "yoloe-11s-seg.yaml"], capture_output=True, text=True, check=True)
+    assert json.loads(with_detector.stdout)["encoded"] == 0  # text features were already there
+    bad = subprocess.run([str(exe), "--dir", str(tmp_path / "s"), "warm-classes", str(names), "--encoder", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "encoder is" in bad.stderr

@@ -1,0 +1,83 @@
+"""``promptstore warm-classes``: encode a vocabulary into the store ahead of time."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from promptstore.cli import EXTRA_COMMANDS, _open
+from promptstore.errors import InvalidInputError
+
+from ._classes import TEXT_KIND, check_names, set_classes
+from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
+
+
+def read_names(spec: str) -> list[str]:
+    """Class names from a .txt file (one per line), an ultralytics dataset .yaml, or ``coco`` / ``lvis``."""
+    path = Path(spec)
+    if spec in ("coco", "lvis", "coco8") and not path.exists():
+        import ultralytics
+
+        path = Path(ultralytics.__file__).parent / "cfg" / "datasets" / f"{spec}.yaml"
+    if not path.is_file():
+        raise InvalidInputError(f"names file {spec} not found")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        names = yaml.safe_load(path.read_text()).get("names")
+        names = list(names.values()) if isinstance(names, dict) else names
+    else:
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return check_names(names)
+
+
+def parse_encoder(spec: str, seed: int) -> TextEncoder:
+    """``open_clip:MODEL[:WEIGHTS]`` or ``ultralytics:mobileclip:blt[:WEIGHTS]``."""
+    kind, _, rest = spec.partition(":")
+    if kind == "open_clip" and rest:
+        name, _, weights = rest.partition(":")
+        return OpenCLIPTextEncoder(name, pretrained=weights or None, seed=seed)
+    if kind == "ultralytics" and rest.count(":") >= 1:
+        base, size, *weights = rest.split(":", 2)
+        return UltralyticsTextEncoder(f"{base}:{size}", weights=weights[0] if weights else None)
+    raise InvalidInputError(f"encoder is open_clip:MODEL[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS], got {spec!r}")
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", help="a .txt file (one name per line), an ultralytics dataset .yaml, or coco / lvis")
+    p.add_argument("--encoder", required=True, help="open_clip:MobileCLIP2-B[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS]")
+    p.add_argument("--detector", help="a YOLOE .yaml or .pt: also store its detector-ready embeddings")
+    p.add_argument("--seed", type=int, default=0, help="seed of a random-init open_clip encoder")
+    p.add_argument("--batch", type=int, default=64)
+
+
+def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
+    names = read_names(args.names)
+    encoder = parse_encoder(args.encoder, args.seed)
+    encoder.batch = args.batch  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    with _open(args, create=True) as store:
+        if args.detector:
+            from ultralytics import YOLOE
+
+            report = set_classes(YOLOE(args.detector), names, store=store, encoder=encoder)
+            encoded, hits = report.misses, report.hits + report.text_hits
+        else:
+            keys = [store.key(TEXT_KIND, n, fingerprints=[encoder.fingerprint]) for n in names]
+            todo = [(n, k) for n, k in zip(names, keys, strict=True) if k not in store]
+            if todo:
+                t1 = time.perf_counter()
+                feats = encoder.encode([n for n, _ in todo])
+                each = (time.perf_counter() - t1) / len(todo)
+                for (n, k), f in zip(todo, feats, strict=True):
+                    store.put(k, {"text": f}, kind=TEXT_KIND, cost_s=each, meta={"name": n, "encoder": encoder.fingerprint})
+            encoded, hits = len(todo), len(names) - len(todo)
+    seconds = time.perf_counter() - t0
+    data = {"names": len(names), "encoded": encoded, "already_stored": hits, "seconds": seconds,
+            "encoder": encoder.fingerprint}
+    return data, f"{len(names)} names: {encoded} encoded, {hits} already in the store ({seconds:.1f} s)", 0
+
+
+EXTRA_COMMANDS["warm-classes"] = ("encode a vocabulary's class names into the store", _configure, _run)

@@ -1,0 +1,123 @@
+"""YOLOE visual prompts from the store: a reference image plus boxes, embedded once.
+
+The key covers the reference image's bytes, the prompt geometry, the inference size and
+a digest of the whole detector (backbone and the visual-prompt head), so a reference set
+is computed once and reused by every process, and never by another model.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError
+
+from ._classes import _apply, _digest_module, _unwrap
+
+__all__ = ["visual_pe", "VisualReport", "VISUAL_KIND"]
+
+VISUAL_KIND = "vision.vpe"
+
+
+@dataclass(frozen=True)
+class VisualReport:
+    """What visual_pe did."""
+
+    classes: int
+    hit: bool
+    seconds: float
+
+
+def _image_digest(image: Any) -> str:
+    h = xxhash.xxh3_128()
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(image)
+        if not path.is_file():
+            raise InvalidInputError(f"reference image {path} is not a file")
+        h.update(b"file:" + path.read_bytes())
+    else:
+        arr = np.asarray(image)
+        if arr.dtype != np.uint8 or arr.ndim != 3:
+            raise InvalidInputError("a reference image is a path, a PIL image or an HxWxC uint8 array")
+        h.update(f"array:{arr.shape}".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+def _prompt_digest(prompts: dict[str, Any]) -> tuple[str, int]:
+    if not isinstance(prompts, dict) or "bboxes" not in prompts or "cls" not in prompts:
+        raise InvalidInputError("visual_prompts is a dict with 'bboxes' (N, 4) and 'cls' (N,)")
+    boxes = np.asarray(prompts["bboxes"], dtype=np.float64)
+    cls = np.asarray(prompts["cls"])
+    if boxes.ndim != 2 or boxes.shape[1] != 4 or cls.ndim != 1 or len(cls) != len(boxes) or not len(boxes):
+        raise InvalidInputError("visual_prompts needs N >= 1 boxes of 4 numbers and one class index per box")
+    if not np.issubdtype(cls.dtype, np.integer) or cls.min() < 0 or not np.isfinite(boxes).all():
+        raise InvalidInputError("class indices must be non-negative integers and boxes finite")
+    h = xxhash.xxh3_128()
+    for name in sorted(prompts):
+        arr = np.ascontiguousarray(np.asarray(prompts[name], dtype=np.float64))
+        h.update(f"{name}:{arr.shape}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest(), len(np.unique(cls))
+
+
+def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], store: PromptStore | None = None,
+              imgsz: int = 640) -> VisualReport:
+    """Set a YOLOE model's classes from visual prompts on a reference image, via the store.
+
+    Args:
+        model: an ``ultralytics.YOLOE``.
+        refer_image: path, PIL image or HxWx3 uint8 array.
+        visual_prompts: ``{"bboxes": (N, 4) xyxy pixels, "cls": (N,) class index per box}``.
+        store: default ``PromptStore()``.
+        imgsz: inference size the embedding is computed at.
+
+    Returns:
+        A :class:`VisualReport`; afterwards ``model.predict`` detects the prompted classes
+        (named ``object0``, ``object1``... as ultralytics names them).
+
+    Raises:
+        InvalidInputError: bad image, prompts or model; nothing is stored, the model unchanged.
+    """
+    t0 = time.perf_counter()
+    wrapper, inner, kind = _unwrap(model)
+    if wrapper is None or kind != "yoloe":
+        raise InvalidInputError("visual prompts need an ultralytics.YOLOE model")
+    image_fp = _image_digest(refer_image)
+    prompt_fp, n_cls = _prompt_digest(visual_prompts)
+    detector = _digest_module(inner, f"yoloe-detector:{type(inner).__name__}")
+    store = store if store is not None else PromptStore()
+    key = store.key(VISUAL_KIND, f"{image_fp}|{prompt_fp}|imgsz={imgsz}", fingerprints=[detector])
+    names = [f"object{i}" for i in range(n_cls)]
+    entry = store.get(key, kind=VISUAL_KIND)
+    dim = inner.model[-1].embed
+    if entry is not None and entry.tensors.get("vpe", np.empty(0)).shape == (n_cls, dim):
+        _apply(model, names, entry.tensors["vpe"])
+        return VisualReport(n_cls, True, time.perf_counter() - t0)
+    vpe = _compute(wrapper, inner, refer_image, visual_prompts, imgsz)
+    store.put(key, {"vpe": vpe}, kind=VISUAL_KIND, cost_s=time.perf_counter() - t0,
+              meta={"image": image_fp, "prompts": prompt_fp, "detector": detector})
+    _apply(model, names, vpe)
+    return VisualReport(n_cls, False, time.perf_counter() - t0)
+
+
+def _compute(wrapper: Any, inner: Any, refer_image: Any, prompts: dict[str, Any], imgsz: int) -> np.ndarray:
+    """ultralytics' own visual-prompt path (as YOLOE.predict runs it for a refer_image)."""
+    from ultralytics.models import yolo
+
+    predictor_cls = yolo.yoloe.YOLOEVPSegPredictor if inner.task == "segment" else yolo.yoloe.YOLOEVPDetectPredictor
+    overrides = {**wrapper.overrides, "task": inner.task, "mode": "predict", "save": False, "batch": 1,
+                 "verbose": False, "imgsz": imgsz}
+    predictor = predictor_cls(overrides=overrides)
+    predictor.set_prompts({k: np.asarray(v) for k, v in prompts.items()})
+    predictor.setup_model(model=inner, verbose=False)
+    source = str(refer_image) if isinstance(refer_image, (str, os.PathLike)) else np.asarray(refer_image)
+    vpe = predictor.get_vpe(source)
+    return vpe[0].detach().float().cpu().numpy()
