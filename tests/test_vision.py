@@ -220,6 +220,7 @@ def test_ultralytics_encoder_says_where_its_file_goes(tmp_path):
         UltralyticsTextEncoder("clip:ViT-B/32")
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
 def test_ultralytics_encoder_runs_a_torchscript_file(tmp_path, encoder):
     """A TorchScript text encoder built here from the open_clip tower stands in for mobileclip_blt.ts."""
 
