@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-long bench clean
+.PHONY: demo test test-long bench clean redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,15 +25,23 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
+# The Redis tests start their own redis-server; install Debian's package when it is missing.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } || { \
+	  echo "redis-server is needed by the tests: install it (Debian/Ubuntu: apt-get install redis-server)"; exit 1; }
+
+test: $(VENV)/.installed redis-server
 	$(PY) -m pytest
 
-test-long: $(VENV)/.installed
+test-long: $(VENV)/.installed redis-server
 	$(PY) -m pytest -m "slow or not slow"
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed redis-server
 	$(PY) bench/store_bench.py
 	$(PY) bench/llm_ttft.py
+	$(PY) bench/vision_bench.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis bench/out .demo-store

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -59,3 +60,45 @@ def save_bar_chart(path: Path, title: str, groups: list[str], series: dict[str, 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port (for the Redis rows)."""
+
+    def __init__(self) -> None:
+        import shutil
+        import socket
+        import tempfile
+
+        self.exe = shutil.which("redis-server")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.folder = tempfile.mkdtemp(prefix="ps-bench-redis-")
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> RedisServer:
+        import socket
+        import time
+
+        if self.exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.folder,
+                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.1):
+                    return self
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()

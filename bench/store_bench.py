@@ -87,6 +87,15 @@ class Disk(Memory):
         return PromptStore(root, memory_bytes=0, disk_bytes="16GiB", durable=durable)
 
 
+class RedisOnly(Memory):
+    name = "promptstore redis (loopback)"
+    url = ""
+
+    @classmethod
+    def open(cls, root, **kw):
+        return PromptStore(memory_bytes=0, disk_bytes=0, redis_url=cls.url, redis_bytes="16GiB")
+
+
 class DiskCache(Contender):
     name = "diskcache"
 
@@ -113,7 +122,7 @@ class NpyFiles(Contender):
         return np.load(self.root / f"{i}.npy")
 
 
-def run(repeats: int, out: Path) -> dict:
+def run(repeats: int, out: Path, redis_url: str | None) -> dict:
     results: dict[str, dict[str, dict[str, float]]] = {}
     tmp = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     try:
@@ -126,6 +135,9 @@ def run(repeats: int, out: Path) -> dict:
             if size == "4MB":
                 contenders.append(Disk(tmp / f"dd{size}", durable=True))
                 contenders[-1].name = "promptstore disk durable"
+            if redis_url:
+                RedisOnly.url = redis_url
+                contenders.append(RedisOnly(tmp / f"r{size}"))
             for c in contenders:
                 base = [0]
 
@@ -164,6 +176,10 @@ def report(results: dict, out: Path) -> str:
         ("put 4 MB >= 500 MB/s", disk4["put_GBps"], 0.5, f"{disk4['put_GBps'] * 1000:.0f} MB/s "
          f"(np.save: {r4['np.save/np.load']['put_GBps'] * 1000:.0f} MB/s)"),
     ]
+    redis4 = r4.get("promptstore redis (loopback)")
+    if redis4:
+        goals.append(("redis get 4 MB within 3x of a disk-tier get", disk4["get_s"] * 3 / redis4["get_s"], 1.0,
+                      f"{redis4['get_s'] / disk4['get_s']:.2f}x the disk tier's time"))
     lines = ["| size | contender | put /s | put GB/s | get /s | get GB/s | get vs np.load | get vs diskcache |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size, rows in results.items():
@@ -183,7 +199,14 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"store benchmark on {machine()['summary']}; medians of {args.repeats} rounds")
-    results = run(args.repeats, args.out)
+    from _common import RedisServer
+
+    try:
+        with RedisServer() as server:
+            results = run(args.repeats, args.out, server.url)
+    except RuntimeError as exc:
+        print(f"(no Redis rows: {exc})")
+        results = run(args.repeats, args.out, None)
     table = report(results, args.out)
     print()
     print(table)

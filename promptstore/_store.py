@@ -54,9 +54,13 @@ class PromptStore:
         memory_bytes: budget of the in-process tier (int or ``"1GiB"``); 0 disables it.
         disk_bytes: budget of the disk tier; 0 disables it. ``None``: the budget last
             given for this folder, else 20 GiB. A given budget is recorded in the folder.
-        redis_url: ``redis://`` or ``rediss://`` URL of a shared Redis tier, or None.
+        redis_url: ``redis://[user:password@]host:port/db`` or ``rediss://`` (TLS) URL of a
+            Redis shared by many hosts, or None. Unreachable at start or later: one warning,
+            the local tiers keep serving, and Redis is used again once it answers.
         namespace: tenant salt. Keys made with :meth:`key` include it, and an entry
             written under one namespace is never returned under another.
+        redis_bytes: budget of the Redis tier (every client evicts against its own).
+        redis_prefix: prefix of every Redis key, so several stores can share one Redis.
         clock: wall-clock source for TTLs and timestamps (tests inject a fake one).
         durable: fsync each entry file and its folder before the index commits (survives
             power loss, not only process crashes), at a measured cost per put.
@@ -65,7 +69,8 @@ class PromptStore:
         StorePathError: ``path`` is a file or a foreign non-empty folder.
         FormatVersionError: ``path`` was written by a newer promptstore.
         InvalidSizeError: a budget could not be parsed.
-        ConfigError: a bad namespace or option.
+        ConfigError: a bad namespace or option, or a malformed Redis URL.
+        TierUnavailableError: Redis refused the credentials.
     """
 
     def __init__(
@@ -76,6 +81,8 @@ class PromptStore:
         redis_url: str | None = None,
         namespace: str = "",
         *,
+        redis_bytes: int | str = "8GiB",
+        redis_prefix: str = "promptstore:",
         clock: Any = time.time,
         durable: bool = False,
     ) -> None:
@@ -105,7 +112,11 @@ class PromptStore:
                 else:
                     raise StorePathError(f"store path {self.path} is not usable: {exc}") from exc
         if redis_url is not None:
-            raise ConfigError("the Redis tier is not available in this version of promptstore")
+            from ._tiers.redis import RedisTier
+
+            if not isinstance(redis_prefix, str) or not redis_prefix:
+                raise ConfigError("redis_prefix must be a non-empty str")
+            self._tiers.append(RedisTier(redis_url, parse_size(redis_bytes), prefix=redis_prefix, clock=clock))
         self._finalizer = weakref.finalize(self, _close_tiers, list(self._tiers))
 
     # -- plumbing ------------------------------------------------------------------------

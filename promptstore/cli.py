@@ -24,6 +24,8 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
     default = argparse.SUPPRESS if suppress else None
     parser.add_argument("--dir", default=default, help="store folder (default: $PROMPTSTORE_DIR or the user cache folder)")
     parser.add_argument("--namespace", default=default, help="tenant namespace (default: '')")
+    parser.add_argument("--redis-url", default=default, help="also use this Redis tier (redis://host:port/db)")
+    parser.add_argument("--redis-prefix", default=default, help="key prefix in Redis (default: promptstore:)")
     parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
                         help="print JSON instead of text")
 
@@ -32,28 +34,41 @@ def _open(args: argparse.Namespace, create: bool = False) -> PromptStore:
     path = Path(args.dir).expanduser() if args.dir else default_path()
     if not create and not path.is_dir():
         raise PromptStoreError(f"no store at {path}")
-    return PromptStore(path, memory_bytes=0, namespace=args.namespace or "")
+    return PromptStore(path, memory_bytes=0, namespace=args.namespace or "", redis_url=args.redis_url or None,
+                       redis_prefix=args.redis_prefix or "promptstore:")
 
 
 def _when(t: float | None) -> str:
     return "-" if not t else _dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
-    with _open(args) as store:
-        disk = store.stats()["tiers"].get("disk", {})
-    lines = [f"store      {disk.get('path')}",
-             f"entries    {disk.get('entries', 0)}",
-             f"size       {format_size(disk.get('bytes', 0))} of {format_size(disk.get('budget', 0))}"]
-    life = disk.get("lifetime", {})
-    lines.append(f"evictions  {life.get('evictions', 0)} (expired: {life.get('expirations', 0)})")
+def _tier_lines(title: str, where: str, t: dict[str, Any]) -> list[str]:
+    lines = [f"{title:<6} {where}",
+             f"       {t.get('entries', 0)} entries, {format_size(t.get('bytes', 0))} of {format_size(t.get('budget', 0))}"]
+    if t.get("available") is False:
+        lines.append("       unreachable")
+    life = t.get("lifetime", {})
+    lines.append(f"       evictions {life.get('evictions', 0)} (expired: {life.get('expirations', 0)})")
     kinds = life.get("kinds", {})
     if kinds:
-        lines.append(f"{'kind':<16}{'hits':>10}{'misses':>10}{'hit bytes':>14}{'saved':>12}")
+        lines.append(f"       {'kind':<16}{'hits':>10}{'misses':>10}{'hit bytes':>14}{'saved':>12}")
         for kind, c in sorted(kinds.items()):
-            lines.append(f"{kind:<16}{c['hits']:>10}{c['misses']:>10}{format_size(c['hit_bytes']):>14}"
+            lines.append(f"       {kind:<16}{c['hits']:>10}{c['misses']:>10}{format_size(c['hit_bytes']):>14}"
                          f"{c['seconds_saved']:>11.1f}s")
-    return disk, "\n".join(lines), 0
+    return lines
+
+
+def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
+    with _open(args) as store:
+        tiers = store.stats()["tiers"]
+    disk = tiers.get("disk", {})
+    lines = _tier_lines("disk", str(disk.get("path")), disk)
+    data: dict[str, Any] = dict(disk)
+    if "redis" in tiers:
+        redis = tiers["redis"]
+        lines += _tier_lines("redis", f"{redis.get('url')} (prefix {redis.get('prefix')})", redis)
+        data["redis"] = redis
+    return data, "\n".join(lines), 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:

@@ -129,6 +129,10 @@ ON CONFLICT (kind) DO UPDATE SET hits = hits + excluded.hits, misses = misses + 
 """
 
 
+class _Orphan(Exception):
+    """Raised inside a put's transaction to roll it back: the entry's parent is gone."""
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -475,6 +479,12 @@ class DiskTier(Tier):
         try:
             now = self.clock()
             with self._txn() as db:
+                if entry.parent is not None and db.execute(
+                        "SELECT 1 FROM entries WHERE key = ?", (entry.parent,)).fetchone() is None:
+                    # The parent was evicted (by another process) since the store looked: the
+                    # block would be unreachable, so it is not stored. Checked inside the
+                    # write transaction, so no orphan can be committed.
+                    raise _Orphan
                 old = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
                 if old is not None:
                     db.execute("DELETE FROM entries WHERE key = ?", (key,))
@@ -489,6 +499,8 @@ class DiskTier(Tier):
                 removed = _policy.make_room(_SqlIndex(db), self.budget, now=now, protect=key)
                 self._count_removed(db, removed)
             committed = True
+        except _Orphan:
+            return False
         finally:
             if not committed:
                 _unlink(final)

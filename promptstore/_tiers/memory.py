@@ -169,6 +169,8 @@ class MemoryTier(Tier):
         if not self.fits(entry, size):
             return False
         with self._lock:
+            if entry.parent is not None and entry.parent not in self._recs:
+                return False  # its chain is not here: it could not be reached (checked under the lock)
             now = self.clock()
             key = entry.key
             old = self._recs.pop(key, None)
