@@ -183,6 +183,7 @@ def write(results: dict, info: dict, args: argparse.Namespace) -> None:
     (args.out / "llm_ttft.json").write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                                                         "results": results, "table": table}, indent=1))
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -201,6 +202,7 @@ def write(results: dict, info: dict, args: argparse.Namespace) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(xs, [str(x) for x in xs])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("shared prefix length (tokens)")
     ax.set_ylabel("time to first token (s)")
     ax.set_title("SmolLM2-135M TTFT, 2-core CPU (lower is better)")
