@@ -38,10 +38,9 @@ test: $(VENV)/.installed redis-server
 test-long: $(VENV)/.installed redis-server
 	$(PY) -m pytest -m "slow or not slow"
 
+# Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
 bench: $(VENV)/.installed redis-server
-	$(PY) bench/store_bench.py
-	$(PY) bench/llm_ttft.py
-	$(PY) bench/vision_bench.py
+	$(PY) bench/run_all.py $(if $(LLAMA_CPP),--llama-cpp,)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis bench/out .demo-store

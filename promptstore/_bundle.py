@@ -144,7 +144,9 @@ def _read_entry(zf: zipfile.ZipFile, item: dict[str, Any]) -> Entry:
         info = zf.getinfo(name)
     except KeyError:
         raise BundleError(f"entry {item['key'][:16]}… is listed but missing") from None
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != item["size"]:
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != item["size"] or info.file_size > zf.fp_size:
+        # Stored, never compressed, and no bigger than the bundle file: a lying header
+        # cannot make the import allocate more memory than the bundle's own size.
         raise BundleError(f"entry {item['key'][:16]}… has the wrong size or compression")
     try:
         data = zf.read(name)
@@ -166,6 +168,7 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         raise BundleError(f"{path} is not a readable bundle: {exc}") from None
     with zf:
+        zf.fp_size = os.path.getsize(path)  # type: ignore[attr-defined]
         entries = _manifest(zf)
         # Pass 1 verifies everything and keeps nothing in memory; pass 2 stores.
         for item in tqdm(entries, desc="promptstore: verifying bundle", unit="entry", disable=None, leave=False):

@@ -159,6 +159,14 @@ def test_other_namespace_gets_no_hits(tiny, tmp_path):
         assert PrefixCache(tiny, store=a, block_tokens=16).lookup(ids)[1] == 96
 
 
+def test_another_tokenizer_gets_no_hits(smol, store):
+    model, tok = smol
+    ids = list(range(100, 300))
+    PrefixCache(model, tok, store=store).prefill(ids)
+    assert PrefixCache(model, tok, store=store).lookup(ids)[1] == 192
+    assert PrefixCache(model, None, store=store).lookup(ids) == (None, 0)  # no tokenizer is another tokenizer
+
+
 def test_block_size_and_kv_dtype_are_part_of_the_key(tiny, store):
     ids = list(range(100))
     PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
