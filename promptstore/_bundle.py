@@ -109,8 +109,8 @@ def _manifest(zf: zipfile.ZipFile) -> list[dict[str, Any]]:
         raise BundleError("manifest.json is implausibly large")
     try:
         body = json.loads(zf.read(MANIFEST))
-    except (ValueError, zipfile.BadZipFile, OSError) as exc:
-        raise BundleError(f"manifest.json is unreadable: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read the manifest is a bad bundle
+        raise BundleError(f"manifest.json is unreadable: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT:
         raise BundleError("not a promptstore bundle (manifest format)")
     version = body.get("version")
@@ -150,8 +150,8 @@ def _read_entry(zf: zipfile.ZipFile, item: dict[str, Any]) -> Entry:
         raise BundleError(f"entry {item['key'][:16]}… has the wrong size or compression")
     try:
         data = zf.read(name)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise BundleError(f"entry {item['key'][:16]}… is unreadable: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read a member is a bad bundle
+        raise BundleError(f"entry {item['key'][:16]}… is unreadable: {type(exc).__name__}: {exc}") from None
     if len(data) != item["size"] or xxhash.xxh3_128_hexdigest(data) != item["xxh3_128"]:
         raise BundleError(f"entry {item['key'][:16]}… fails its manifest checksum")
     try:
@@ -165,8 +165,8 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
     """See :meth:`PromptStore.import_bundle`."""
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise BundleError(f"{path} is not a readable bundle: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - zipfile also raises NotImplementedError, struct.error... (fuzzing found them)
+        raise BundleError(f"{path} is not a readable bundle: {type(exc).__name__}: {exc}") from None
     with zf:
         zf.fp_size = os.path.getsize(path)  # type: ignore[attr-defined]
         entries = _manifest(zf)
