@@ -280,7 +280,8 @@ def test_fuzz_long(tmp_path):
                            "-rss_limit_mb=2048", "-print_final_stats=1"], capture_output=True, text=True, timeout=1200,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = next(int(line.split(":")[1]) for line in proc.stderr.splitlines() if line.startswith("stat::number_of_executed_units"))
+    runs = next(int(line.rsplit(":", 1)[1]) for line in proc.stderr.splitlines()
+                if line.startswith("stat::number_of_executed_units"))
     report("fuzz", atheris_runs=runs)
 
 
