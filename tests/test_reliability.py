@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, run_python
 from promptstore import PromptStore
 from promptstore.errors import BundleError, FormatVersionError, InvalidKeyError, PromptStoreError
+
+from conftest import REPO, run_python
 
 
 def report(suite: str, **figures) -> None:
