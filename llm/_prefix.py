@@ -27,6 +27,7 @@ from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
+RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -212,7 +213,9 @@ class PrefixCache:
         blocks = 0
         for entry in self._walk(keys):
             if buffers is None:
-                buffers = self._allocate(min(n_blocks * self.block_tokens, usable))
+                # Room for the rest of the prompt and some generated tokens: they are written in
+                # place instead of concatenated (see _ReservedLayer).
+                buffers = self._allocate(len(ids) + RESERVE_TOKENS)
             self._copy_in(buffers, entry, blocks, usable)
             blocks += 1
         n_cached = min(blocks * self.block_tokens, usable)
@@ -301,25 +304,25 @@ class PrefixCache:
         event.record()
         self._staging[2][slot] = event
 
-    def _finish(self, buffers: tuple[Any, Any], n: int) -> list[tuple[Any, Any]]:
+    def _finish(self, buffers: tuple[Any, Any], n: int) -> list[tuple[Any, Any, int]]:
         full_k, full_v = buffers
-        if full_k.shape[3] != n:
-            full_k, full_v = full_k[:, :, :, :n], full_v[:, :, :, :n]
-        return [(full_k[i], full_v[i]) for i in range(full_k.shape[0])]
+        return [(full_k[i], full_v[i], n) for i in range(full_k.shape[0])]
 
-    def _make_cache(self, kv: list[tuple[Any, Any]]) -> Any:
+    def _make_cache(self, kv: list[tuple[Any, Any, int]]) -> Any:
+        """A DynamicCache over per-layer buffers (k, v, tokens filled), without copying them."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         layers = getattr(cache, "layers", None)
-        if layers is not None and len(layers) == len(kv) and all(hasattr(layer, "lazy_initialization") for layer in layers):
-            for layer, (k, v) in zip(layers, kv, strict=True):
-                layer.lazy_initialization(k, v)
-                layer.keys, layer.values = k, v  # adopt the tensors: no copy through update()
+        reserved = _reserved_layer_class()
+        if (reserved is not None and layers is not None and len(layers) == len(kv)
+                and all(type(layer).__name__ == "DynamicLayer" for layer in layers)):
+            cache.layers = [reserved(k, v, n) for k, v, n in kv]
             return cache
+        # Another cache layout (older transformers): hand over exactly the filled part.
         cache = DynamicCache()
-        for i, (k, v) in enumerate(kv):
-            cache.update(k, v, i)
+        for i, (k, v, n) in enumerate(kv):
+            cache.update(k[:, :, :n], v[:, :, :n], i)
         return cache
 
     # -- storing --------------------------------------------------------------------------
@@ -425,7 +428,9 @@ class PrefixCache:
             cache, _, seconds = self._forward(ids, n_cached, stop, cache)
             self._store_blocks(ids, cache, stop, n_cached // self.block_tokens, seconds / (stop - n_cached))
         if cache is None:
-            cache = self._make_cache([])
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         full = torch.as_tensor(ids, device=self.model.device)[None]
         generate_kwargs[self._cache_arg] = cache
@@ -445,6 +450,64 @@ class PrefixCache:
     def stats(self) -> dict[str, dict[str, int]]:
         """Tokens queried, served from cache, computed (and generated), for the last request and in total."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+_RESERVED: Any = False
+
+
+def _reserved_layer_class() -> Any:
+    """A DynamicLayer that writes new tokens into spare capacity instead of concatenating.
+
+    transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),
+    the prompt's tail and then each generated token: O(prefix) per step. Loaded caches already
+    live in buffers we allocated, so they are allocated with room to grow and written in place;
+    when the room runs out the buffer doubles. Anything that replaces ``keys`` behind our back
+    (beam reordering) sends the layer back to plain concatenation. None if DynamicLayer is absent.
+    """
+    global _RESERVED
+    if _RESERVED is not False:
+        return _RESERVED
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        _RESERVED = None
+        return None
+
+    import torch
+
+    class _ReservedLayer(DynamicLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
+            super().__init__()
+            self.lazy_initialization(kbuf, vbuf)
+            self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
+
+        def _in_place(self) -> bool:
+            k = self.keys
+            if k is None or k.data_ptr() != self._kbuf.data_ptr() or k.stride() != self._kbuf.stride():
+                return False
+            self._n = k.shape[-2]  # e.g. after crop(): still a prefix of our buffer
+            return True
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized or not self._in_place():
+                return super().update(key_states, value_states, *args, **kwargs)
+            n, m = self._n, key_states.shape[-2]
+            if n + m > self._kbuf.shape[-2]:
+                cap = max(n + m, 2 * self._kbuf.shape[-2])
+                for name in ("_kbuf", "_vbuf"):
+                    old = getattr(self, name)
+                    new = torch.empty((*old.shape[:-2], cap, old.shape[-1]), dtype=old.dtype, device=old.device)
+                    new[:, :, :n] = old[:, :, :n]
+                    setattr(self, name, new)
+            self._kbuf[:, :, n : n + m] = key_states
+            self._vbuf[:, :, n : n + m] = value_states
+            self._n = n + m
+            self.keys, self.values = self._kbuf[:, :, : self._n], self._vbuf[:, :, : self._n]
+            return self.keys, self.values
+
+    _RESERVED = _ReservedLayer
+    return _RESERVED
 
 
 def _host_view(t: Any) -> np.ndarray:

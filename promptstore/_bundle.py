@@ -105,8 +105,10 @@ def _manifest(zf: zipfile.ZipFile) -> list[dict[str, Any]]:
         info = zf.getinfo(MANIFEST)
     except KeyError:
         raise BundleError("not a promptstore bundle: no manifest.json") from None
-    if info.file_size > MAX_MANIFEST_BYTES:
-        raise BundleError("manifest.json is implausibly large")
+    if info.file_size > MAX_MANIFEST_BYTES or info.file_size > zf.fp_size or info.compress_type != zipfile.ZIP_STORED:
+        # We write it stored. A compressed manifest whose header lies about its size would be
+        # inflated whole before zipfile truncates it (bzip2/LZMA have no output bound): a bomb.
+        raise BundleError("manifest.json is implausibly large or compressed")
     try:
         body = json.loads(zf.read(MANIFEST))
     except Exception as exc:  # noqa: BLE001 - any failure to read the manifest is a bad bundle

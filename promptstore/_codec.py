@@ -1,9 +1,12 @@
-"""Entry <-> bytes: one safetensors file per entry, with a checksum of the tensor bytes.
+"""Entry <-> bytes: one safetensors file per entry, with a checksum of everything in it.
 
 Layout (the safetensors format): an 8-byte little-endian header length, a JSON header
 padded with spaces to a multiple of 8, then the tensor bytes back to back. The header's
 ``__metadata__`` carries the format version, key, kind, namespace, parent, cost, TTL, the
-user's metadata (as JSON) and ``xxh3_128:<hex>`` of the tensor bytes.
+user's metadata (as JSON) and ``xxh3_128:<hex>``: the tensor bytes, then the canonical
+(sorted, compact) JSON of the header without the checksum field. Covering the header too
+matters: a flipped byte in a tensor's name, dtype or shape would otherwise decode to
+different tensors with a valid checksum.
 
 We write the container ourselves instead of calling ``safetensors.serialize`` because
 its ``__metadata__`` comes out in a per-process random order (a Rust HashMap), and entry
@@ -28,7 +31,7 @@ from .errors import CorruptEntryError, InvalidEntryError, UnsupportedDtypeError
 
 __all__ = ["ENTRY_VERSION", "encode", "decode", "prepare"]
 
-ENTRY_VERSION = 1
+ENTRY_VERSION = 2
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_NDIM = 16
 
@@ -170,9 +173,10 @@ def encode(prepared: dict[str, Any]) -> np.ndarray:
         "cost_s": repr(prepared["cost_s"]),
         "ttl_s": "" if prepared["ttl_s"] is None else repr(prepared["ttl_s"]),
         "meta": json.dumps(prepared["meta"], sort_keys=True, separators=(",", ":")),
-        "checksum": "xxh3_128:" + digest.hexdigest(),
     }
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("ascii")
+    digest.update(_canonical(header))
+    header["__metadata__"]["checksum"] = "xxh3_128:" + digest.hexdigest()
+    text = _canonical(header)
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
     # np.empty, not bytearray: no zero-fill pass over bytes that are overwritten next.
@@ -184,6 +188,11 @@ def encode(prepared: dict[str, Any]) -> np.ndarray:
         if e > b:
             buf[start + b : start + e] = arr.reshape(-1).view(np.uint8)
     return buf
+
+
+def _canonical(header: dict[str, Any]) -> bytes:
+    """The header as the checksum sees it: sorted, compact JSON (the padding is not covered)."""
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
 def _corrupt(msg: str) -> CorruptEntryError:
@@ -259,8 +268,14 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
         algo, _, want = checksum.partition(":")
         if algo != "xxh3_128":
             raise _corrupt(f"unknown checksum {algo!r}")
-        if xxhash.xxh3_128_hexdigest(view[start:]) != want:
-            raise _corrupt("checksum mismatch: the tensor bytes changed since they were written")
+        digest = xxhash.xxh3_128(view[start:])
+        unchecked = {k: v for k, v in md.items() if k != "checksum"}
+        try:
+            digest.update(_canonical({**header, "__metadata__": unchecked}))
+        except (RecursionError, ValueError) as exc:
+            raise _corrupt(f"header cannot be checked: {exc!r}") from None
+        if digest.hexdigest() != want:
+            raise _corrupt("checksum mismatch: the entry changed since it was written")
     tensors: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for b, e, name, st, dtype, shape in sorted(spans, key=lambda s: s[2]):

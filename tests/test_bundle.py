@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import struct
+import tracemalloc
 import zipfile
 
 import numpy as np
@@ -101,6 +103,7 @@ def corrupt_variants(good: bytes, tmp_path):
     notzip = tmp_path / "notzip.psb"
     notzip.write_bytes(b"PK\x03\x04 but not really a zip" * 10)
     return [
+        ("bzip2 manifest lying about its size", bomb(tmp_path, members, manifest), BundleError),
         ("flipped byte", rezip("flipped.psb", flipped, manifest), BundleError),
         ("missing member", rezip("missing.psb", missing, manifest), BundleError),
         ("newer format", rezip("newer.psb", members, newer), FormatVersionError),
@@ -111,6 +114,28 @@ def corrupt_variants(good: bytes, tmp_path):
         ("truncated", truncated, BundleError),
         ("not a zip", notzip, BundleError),
     ]
+
+
+def bomb(tmp_path, members, manifest):
+    """A bzip2 manifest that inflates to 64 MiB while its headers claim the size of the real JSON."""
+    text = json.dumps(manifest).encode()
+    p = tmp_path / "bomb.psb"
+    with zipfile.ZipFile(p, "w") as out:
+        for n, data in members.items():
+            if n != "manifest.json":
+                out.writestr(n, data)
+        out.writestr("manifest.json", text + b" " * (64 << 20), compress_type=zipfile.ZIP_BZIP2)
+        offset = out.getinfo("manifest.json").header_offset
+    raw = bytearray(p.read_bytes())
+    size = struct.pack("<I", len(text))
+    raw[offset + 22 : offset + 26] = size
+    central = raw.rindex(b"PK\x01\x02")  # the manifest was written last: the last central record
+    assert raw[central + 46 : central + 59] == b"manifest.json"
+    raw[central + 24 : central + 28] = size
+    p.write_bytes(raw)
+    with zipfile.ZipFile(p) as zf:
+        assert zf.getinfo("manifest.json").file_size == len(text)
+    return p
 
 
 def test_bad_bundles_change_nothing(tmp_path, filled):
@@ -126,6 +151,24 @@ def test_bad_bundles_change_nothing(tmp_path, filled):
             assert contents(dst) == before, label
         assert dst.verify()["ok"]
         assert not list((tmp_path).glob("etc"))
+
+
+def test_compressed_manifest_is_refused_before_it_is_inflated(tmp_path, filled):
+    src, _, _ = filled
+    src.export_bundle(tmp_path / "good.psb")
+    with zipfile.ZipFile(tmp_path / "good.psb") as zf:
+        members = {n: zf.read(n) for n in zf.namelist()}
+    path = bomb(tmp_path, members, json.loads(members["manifest.json"]))
+    with PromptStore(tmp_path / "dst", memory_bytes=0) as dst:
+        tracemalloc.start()
+        try:
+            with pytest.raises(BundleError, match="compressed"):
+                dst.import_bundle(path)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB allocated while refusing a 64 MiB bomb"
+        assert dst.ls() == []
 
 
 def test_bundle_of_another_namespace_is_refused(tmp_path, filled):

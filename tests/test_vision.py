@@ -4,15 +4,20 @@ tower (open_clip, random weights from a fixed seed): right shapes, right cost, e
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import ultralytics
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from ultralytics import YOLOE
 from ultralytics.utils import ASSETS
 
@@ -205,6 +210,32 @@ def test_bad_npz_is_refused_and_changes_nothing(store, tmp_path, bad):
     assert model.model.names == before and store.ls() == []
 
 
+def test_npz_parser_failures_are_typed_errors(store, tmp_path):
+    """Found by test_fuzz_npz_import: numpy's .npy header parser raises tokenize.TokenError."""
+    path = _npz(tmp_path / "f.npz")
+    raw = bytearray(path.read_bytes())
+    raw[82] = 91
+    path.write_bytes(raw)
+    with pytest.raises(InvalidInputError):
+        import_npz(yoloe(), path, store=store)
+    header = io.BytesIO()  # a header promising 2 TiB: refused at once, nothing allocated
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (1, 2**30, 512)})
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as z, np.load(_npz(tmp_path / "ok.npz")) as ok:
+        z.writestr("embeddings.npy", header.getvalue() + bytes(64))
+        for name in ("names", "model"):
+            member = io.BytesIO()
+            np.save(member, ok[name])
+            z.writestr(f"{name}.npy", member.getvalue())
+    with pytest.raises(InvalidInputError):
+        import_npz(yoloe(), tmp_path / "huge.npz", store=store)
+    with zipfile.ZipFile(tmp_path / "bz2.npz", "w", compression=zipfile.ZIP_BZIP2) as z, zipfile.ZipFile(tmp_path / "ok.npz") as ok:
+        for name in ok.namelist():
+            z.writestr(name, ok.read(name))
+    with pytest.raises(InvalidInputError, match="stored or deflated"):
+        import_npz(yoloe(), tmp_path / "bz2.npz", store=store)
+    assert store.ls() == []
+
+
 def test_not_an_npz_at_all(store, tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04 not a zip")
     with pytest.raises(InvalidInputError):
@@ -298,3 +329,41 @@ def test_warm_classes_cli(tmp_path):
     bad = subprocess.run([str(exe), "--dir", str(tmp_path / "s"), "warm-classes", str(names), "--encoder", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "encoder is" in bad.stderr
+
+
+_npz_values = st.one_of(
+    hnp.arrays(st.sampled_from([np.float32, np.float64, np.float16, np.int64, np.uint8, np.bool_]),
+               hnp.array_shapes(min_dims=0, max_dims=3, max_side=4)),
+    hnp.arrays(np.float32, st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from([512, 511])),
+               elements=st.floats(-2, 2, width=32) | st.sampled_from([np.nan, np.inf])),
+    st.lists(st.text(max_size=6), max_size=4).map(lambda xs: np.asarray(xs, dtype=np.str_)),
+    st.text(max_size=12).map(lambda x: np.asarray(x, dtype=np.str_)),
+    st.none(),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(overrides=st.just({}) | st.dictionaries(st.sampled_from(["embeddings", "names", "model", "extra"]), _npz_values, max_size=3),
+       flip=st.none() | st.tuples(st.integers(0, 4000), st.integers(0, 255)))
+def test_fuzz_npz_import(tmp_path_factory, overrides, flip):
+    """Any NPZ (a valid one with fields replaced or a byte changed) either imports exactly or is a typed error changing nothing."""
+    d = tmp_path_factory.mktemp("npz")
+    path = _npz(d / "f.npz", **overrides)
+    if flip is not None:
+        raw = bytearray(path.read_bytes())
+        raw[flip[0] % len(raw)] = flip[1]
+        path.write_bytes(raw)
+    model = yoloe()
+    before = dict(model.model.names)
+    with PromptStore(d / "s") as store:
+        try:
+            import_npz(model, path, store=store)
+        except InvalidInputError:
+            event("refused")
+            assert model.model.names == before and store.ls() == []
+        else:
+            event("imported")
+            with np.load(path, allow_pickle=False) as f:
+                names, emb = f["names"].tolist(), f["embeddings"]
+            assert list(model.model.names.values()) == names
+            assert torch.equal(model.model.pe.cpu(), torch.from_numpy(emb.astype(np.float32)).reshape(model.model.pe.shape))
