@@ -93,6 +93,54 @@ def scaling_plots(sc: dict) -> tuple[str, str]:
     return "bench/plots/store_scaling.png", "bench/plots/vision_scaling.png"
 
 
+def headline(llm: dict | None, llama: dict | None, vision: dict | None, store: dict | None) -> list[str]:
+    """The issue's goals against this run's figures: one row each, met or not, nothing hidden."""
+    rows: list[tuple[str, str, bool | None]] = []
+    if llm:
+        res = llm["results"]
+        for length, target in (("2000", 30.0),):
+            cands = [r for k, r in res.items() if k.split("/")[0] == length]
+            if cands:
+                best = min(cands, key=lambda r: r["promptstore disk (fresh process)"])
+                ratio = best["full prefill"] / best["promptstore disk (fresh process)"]
+                dc = best["full prefill"] / best["deepcopy (seed, in process)"]
+                rows.append((f"promptstore disk hit (fresh process) >= {target:.0f}x faster than full prefill at {length} "
+                             "tokens", f"{ratio:.1f}x (blocks of {best['block_tokens']}; the in-process deepcopy pattern: "
+                             f"{dc:.1f}x)", ratio >= target))
+        if llama:
+            for length, row in llama["rows"].items():
+                cands = [r for k, r in res.items() if k.split("/")[0] == str(length)]
+                if cands:
+                    ours = min(r["promptstore disk (fresh process)"] for r in cands)
+                    ratio = row["disk cache hit (fresh process)"] / ours
+                    rows.append((f"promptstore disk hit >= 3x faster than llama-cpp-python's disk-cache hit, {length} "
+                                 "tokens", f"{ratio:.2f}x", ratio >= 3.0))
+    if vision:
+        for name, r in vision["results"].items():
+            warm = r["promptstore warm hit (fresh process, disk)"]
+            rows.append((f"{name}: warm set_classes vs ultralytics' encoder path",
+                         f"{r['ultralytics-style cold path'] / warm:,.0f}x faster; "
+                         f"{r['ultralytics NPZ load'] / warm:.1f}x faster than loading ultralytics' NPZ", None))
+    if store:
+        four = store["results"]["4MB"]
+        disk, npl = four["promptstore disk"]["get_s"], four["np.save/np.load"]["get_s"]
+        rows.append(("store: 4 MB disk-tier get vs np.load (checksum verified)", f"{npl / disk:.2f}x np.load's speed", None))
+        if "promptstore redis (loopback)" in four:
+            rows.append(("store: 4 MB Redis get within 3x of a disk-tier get",
+                         f"{four['promptstore redis (loopback)']['get_s'] / disk:.2f}x the disk tier's time",
+                         four["promptstore redis (loopback)"]["get_s"] <= 3 * disk))
+    if not rows:
+        return []
+    out = ["## Headline", "", "| goal or comparison | this run | met |", "|---|---|---|"]
+    out += [f"| {g} | {m} | {'-' if ok is None else 'yes' if ok else '**no**'} |" for g, m, ok in rows]
+    out += ["", "What bounds the LLM rows: after a hit, the time to first token is the KV load plus one forward pass over "
+            "the tokens not cached (the question, and the prefix's last partial block). The deepcopy pattern loads nothing "
+            "and computes only the question, so its speed-up is the ceiling any cache reaches with transformers here; "
+            "promptstore's disk hit comes within the KV load of it. llama.cpp's disk-cache hit is bound the same way, so "
+            "the two land near parity rather than 3x apart.", ""]
+    return out
+
+
 def main() -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     store, llm, llama, vision, scaling = (load(n) for n in ("store_bench.json", "llm_ttft.json", "llama_cpp.json",
@@ -104,24 +152,30 @@ def main() -> None:
              f"- {m.get('cores')} cores ({m.get('cpu')}), {m.get('memory_gib')} GiB, Python {m.get('python')}, "
              f"torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} threads), {m.get('platform')}", "",
              "Timings on these shared VMs are noisy: read the ratios, not the absolute times.", ""]
+    lines += headline(llm, llama, vision, store)
     if llm:
         lines += ["## LLM prefix reuse (SmolLM2-135M-Instruct, fp32, transformers)", "",
                   "Shared prefix (a long document) plus a 14-token question; TTFT = the call that returns the first "
                   "token's scores. promptstore's disk row runs in a fresh process with the memory tier off.", "",
                   llm["table"], ""]
         if llama:
-            lines += [f"llama-cpp-python {llama['version']} on the same GGUF (Q4_1, so its prefill is cheaper than "
-                      "fp32 transformers) and the same prompts; its caches are consulted by create_completion:", "",
+            lines += [f"llama-cpp-python {llama['version']} on the same GGUF file (its Q4_1 weights as they are; "
+                      "transformers dequantizes them to fp32) and the same prompts; its caches are consulted by "
+                      "create_completion, and its disk-cache hit runs in a fresh process like ours:", "",
                       "| prefix tokens | llama.cpp cold | RAM cache hit | disk cache hit (fresh process) | "
-                      "promptstore disk hit (blocks of 16) | promptstore vs llama.cpp disk hit |",
+                      "promptstore disk hit (fresh process, best block size) | promptstore speed / llama.cpp's |",
                       "|---:|---:|---:|---:|---:|---:|"]
             for length, row in llama["rows"].items():
-                ours = llm["results"].get(f"{length}/16") or llm["results"].get(f"{length}/64")
-                ratio = row["disk cache hit (fresh process)"] / ours["promptstore disk (fresh process)"] if ours else float("nan")
+                cands = [r for k, r in llm["results"].items() if k.split("/")[0] == str(length)]
+                if not cands:
+                    lines.append(f"| {length} | {row['cold prompt'] * 1000:.0f} ms | - | - | - | - |")
+                    continue
+                ours = min(cands, key=lambda r: r["promptstore disk (fresh process)"])
+                ratio = row["disk cache hit (fresh process)"] / ours["promptstore disk (fresh process)"]
                 lines.append(f"| {length} | {row['cold prompt'] * 1000:.0f} ms | {row['RAM cache hit'] * 1000:.0f} ms | "
                              f"{row['disk cache hit (fresh process)'] * 1000:.0f} ms | "
-                             f"{ours['promptstore disk (fresh process)'] * 1000:.0f} ms | {ratio:.2f}x faster |"
-                             if ours else f"| {length} | {row['cold prompt'] * 1000:.0f} ms | - | - | - | - |")
+                             f"{ours['promptstore disk (fresh process)'] * 1000:.0f} ms ({ours['block_tokens']}) | "
+                             f"{ratio:.2f}x |")
             lines.append("")
         else:
             lines += ["llama-cpp-python was not measured in this run (`make bench LLAMA_CPP=1` installs it: it builds "
