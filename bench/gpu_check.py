@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="a subset of: " + ", ".join(SHAPES))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     import transformers
@@ -63,6 +64,8 @@ def main() -> None:
           f"transformers {transformers.__version__}")
     rows = []
     for name, (shape, dtype) in SHAPES.items():
+        if name not in args.shapes:
+            continue
         if args.smoke:
             shape = dict(shape, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000)
