@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ._codec import decode
 from ._entry import Entry
 from ._keys import coerce_key
-from .errors import BundleError, CorruptEntryError, FormatVersionError, InvalidKeyError
+from .errors import BundleError, CorruptEntryError, FormatVersionError, InvalidInputError, InvalidKeyError
 
 if TYPE_CHECKING:
     from ._store import PromptStore
@@ -71,6 +71,8 @@ def _select(store: PromptStore, keys: Iterable[Any] | None, kind: str | None) ->
 def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterable[Any] | None = None,
                   kind: str | None = None) -> int:
     """See :meth:`PromptStore.export_bundle`."""
+    if not isinstance(path, (str, os.PathLike)) or Path(path).name in ("", "..") or Path(path).is_dir():
+        raise InvalidInputError(f"a bundle path must name a file, got {path!r}")
     path = Path(path)
     order = _select(store, keys, kind)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")

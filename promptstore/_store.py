@@ -364,6 +364,10 @@ class PromptStore:
 
         Returns:
             How many entries were written.
+
+        Raises:
+            InvalidInputError: ``path`` names no file (empty, a folder, ``..``).
+            InvalidKeyError: a key that is not a key.
         """
         from ._bundle import export_bundle
 

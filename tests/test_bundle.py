@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from promptstore import PromptStore
-from promptstore.errors import BundleError, FormatVersionError
+from promptstore.errors import BundleError, FormatVersionError, InvalidInputError
 
 from conftest import assert_same_tensors
 
@@ -178,3 +178,14 @@ def test_bundle_of_another_namespace_is_refused(tmp_path, filled):
         with pytest.raises(BundleError, match="namespace"):
             dst.import_bundle(tmp_path / "b.psb")
         assert dst.ls() == []
+
+
+@pytest.mark.parametrize("where", ["", ".", "..", "folder"])
+def test_export_to_a_path_that_names_no_file(tmp_path, filled, where, monkeypatch):
+    """Found by the CLI fuzzer: `promptstore export ''` raised a bare ValueError from pathlib."""
+    src, _, _ = filled
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(InvalidInputError, match="must name a file"):
+        src.export_bundle(where)
+    assert not list(tmp_path.parent.rglob("*.partial"))

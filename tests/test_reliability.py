@@ -257,10 +257,17 @@ def test_fuzz_cli(tmp_path_factory, argv):
 
     d = tmp_path_factory.mktemp("cli")
     os.chdir(d)
+    old = os.environ.get("PROMPTSTORE_DIR")
+    os.environ["PROMPTSTORE_DIR"] = str(d / "store")  # never the user's own cache folder
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse usage errors
         code = exc.code
+    finally:
+        if old is None:
+            del os.environ["PROMPTSTORE_DIR"]
+        else:
+            os.environ["PROMPTSTORE_DIR"] = old
     assert code in (0, 1, 2)
 
 
