@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
-import subprocess
+import sys
 from pathlib import Path
+
+# The same throwaway redis-server the tests start (tests/redis_server.py, standard library only).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from redis_server import RedisServer  # noqa: E402,F401 - re-exported for store_bench
+
+
+def ttft_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options both TTFT benchmarks take; each runs its fresh-process measurement as ``--child --length N``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2000, 4000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    return parser
 
 
 def machine() -> dict:
@@ -60,45 +77,3 @@ def save_bar_chart(path: Path, title: str, groups: list[str], series: dict[str, 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-class RedisServer:
-    """A throwaway redis-server on a free loopback port (for the Redis rows)."""
-
-    def __init__(self) -> None:
-        import shutil
-        import socket
-        import tempfile
-
-        self.exe = shutil.which("redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.folder = tempfile.mkdtemp(prefix="ps-bench-redis-")
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def __enter__(self) -> RedisServer:
-        import socket
-        import time
-
-        if self.exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.folder,
-                                      "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        for _ in range(200):
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.1):
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()

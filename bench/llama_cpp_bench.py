@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llm_ttft import QUESTIONS, prompt_ids  # noqa: E402
 
+from _common import ttft_parser  # noqa: E402
+
 
 def gguf_path() -> str:
     from promptstore.llm._model import _gguf_path
@@ -66,15 +68,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2000, 4000])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = ttft_parser(__doc__)
     parser.add_argument("--install", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, ttft_parser  # noqa: E402
 
 DOC = (
     "Warehouse operations manual. Section {i}. Forklifts are parked in bay C after each shift and are charged "
@@ -77,15 +77,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2000, 4000])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = ttft_parser(__doc__)
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[64, 16])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -182,34 +176,9 @@ def write(results: dict, info: dict, args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "llm_ttft.json").write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                                                         "results": results, "table": table}, indent=1))
-    import matplotlib
-    import matplotlib.ticker
+    from report import ttft_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    blocks = sorted({r["block_tokens"] for r in results.values()})
-    xs = sorted({int(k.split("/")[0]) for k in results})
-    first = [results[f"{x}/{blocks[0]}"] for x in xs]
-    ax.plot(xs, [r["full prefill"] for r in first], marker="o", label="full prefill")
-    ax.plot(xs, [r["deepcopy (seed, in process)"] for r in first], marker="s", label="deepcopy (seed, in process)")
-    for b, style in zip(blocks, ["-", "--", ":", "-."], strict=False):
-        rows = [results[f"{x}/{b}"] for x in xs]
-        ax.plot(xs, [r["promptstore memory"] for r in rows], style, marker="D", label=f"promptstore memory, blocks of {b}")
-        ax.plot(xs, [r["promptstore disk (fresh process)"] for r in rows], style, marker="^",
-                label=f"promptstore disk (fresh process), blocks of {b}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("shared prefix length (tokens)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title("SmolLM2-135M TTFT, 2-core CPU (lower is better)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "llm_ttft.png", dpi=120)
+    ttft_plot({"results": results}, None, args.out / "llm_ttft.png")
     print(f"\nwrote {args.out / 'llm_ttft.json'} and {args.out / 'llm_ttft.png'}")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from redis_server import RedisServer  # noqa: F401 - test_redis.py imports it from here
 
 from promptstore._codec import decode, encode, prepare
 from promptstore._entry import Entry
@@ -77,65 +78,6 @@ def assert_same_tensors(a: dict, b: dict) -> None:
         x, y = np.asarray(a[name]), np.asarray(b[name])
         assert x.shape == y.shape, name
         assert x.tobytes() == y.tobytes(), name
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port, in its own temporary folder."""
-
-    def __init__(self, folder: Path, password: str | None = None) -> None:
-        import shutil
-
-        self.exe = shutil.which("redis-server")
-        if self.exe is None:
-            raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server; .ci/run does it)")
-        self.folder = folder
-        self.password = password
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        import time
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder), "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import socket
-
-        for _ in range(200):
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.1):
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-            self.proc = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
