@@ -13,6 +13,7 @@ import inspect
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from promptstore import PromptStore, chain_keys
 from promptstore._entry import Entry
-from promptstore.errors import InvalidInputError, UnsupportedModelError
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._fingerprint import model_fingerprint, tokenizer_fingerprint
 
@@ -90,12 +91,14 @@ class PrefixCache:
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; use whichever this version takes.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._layout: tuple[int, int, int, Any] | None = None
+        self._layout: tuple[Any, tuple[int, int, int, Any]] | None = None
         self._tokenizer_fp: str | None = None
         self._staging: list[Any] | None = None  # pinned host slots for copies to a GPU
         self._total = _Counts()
         self._last = _Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
+        self._root: bytes | None = None  # this request's root key (the weights as they are now)
+        self._get_layout()  # refuse an unsupported model before anything is looked up or stored
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -112,32 +115,19 @@ class PrefixCache:
                 f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
 
     def _root_key(self) -> bytes:
-        # model_fingerprint is memoised against torch's in-place version counters, so this
-        # stays cheap per request and still notices a weight edited since the last one.
+        # Hashes every weight (tens of ms): callers take it once per request.
         return self.store.key(KIND, b"", fingerprints=self._fingerprints())
 
     def _get_layout(self) -> tuple[int, int, int, Any]:
-        if self._layout is None:
-            import torch
-
-            # One token through the model tells the cache layout whatever the architecture.
-            probe = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
-            with torch.no_grad():
-                out = self.model(probe, use_cache=True)
-            cache = self._output_cache(out)
-            if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", [])):
-                raise UnsupportedModelError("sliding-window KV layers cannot be reused exactly as prefix blocks")
-            shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in _layers(cache)}
-            if len(shapes) != 1:
-                raise UnsupportedModelError(f"layers keep KV of different shapes {shapes}; not supported")
-            (kshape, vshape, dtype), = shapes
-            if len(kshape) != 4 or kshape != vshape or kshape[0] != 1 or kshape[2] != 1:
-                raise UnsupportedModelError(f"unexpected KV shape {kshape} (want [batch, heads, tokens, head_dim])")
-            self._layout = (len(_layers(cache)), kshape[1], kshape[3], dtype)
-        return self._layout
+        # `.half()` or `.to()` between requests changes the KV dtype: re-derive it then.
+        signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device))
+        if self._layout is None or self._layout[0] != signature:
+            self._layout = (signature, _check_model(self.model, self._output_cache))
+        return self._layout[1]
 
     def _output_cache(self, out: Any) -> Any:
-        return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else getattr(out, "past_key_values", None)
 
     # -- inputs ---------------------------------------------------------------------------
     def _ids(self, input_ids: Any) -> np.ndarray:
@@ -156,7 +146,7 @@ class PrefixCache:
             raise InvalidInputError("input_ids must be a non-empty 1-D sequence of token ids (or a batch of one)")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidInputError(f"token ids must be integers, got {ids.dtype}")
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = _vocab_size(self.model)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidInputError(f"token ids must lie in [0, {vocab}) for this model, got {int(ids.min())}..{int(ids.max())}")
         return ids.astype(np.int64)
@@ -176,7 +166,9 @@ class PrefixCache:
 
     # -- lookup ---------------------------------------------------------------------------
     def _block_keys(self, ids: np.ndarray, n_blocks: int) -> list[bytes]:
-        return chain_keys(self._root_key(), ids[: n_blocks * self.block_tokens], self.block_tokens)
+        if self._root is None:
+            self._root = self._root_key()
+        return chain_keys(self._root, ids[: n_blocks * self.block_tokens], self.block_tokens)
 
     def _fits(self, entry: Entry) -> bool:
         layers, heads, head_dim, _ = self._get_layout()
@@ -201,6 +193,8 @@ class PrefixCache:
             InvalidInputError: empty ids, ids outside the vocabulary, a batch of several.
         """
         ids = self._ids(input_ids)
+        self._get_layout()
+        self._root = None
         return self._lookup(ids)
 
     def _lookup(self, ids: np.ndarray) -> tuple[Any, int]:
@@ -333,6 +327,14 @@ class PrefixCache:
         last_block = min(n_in_cache, len(ids)) // self.block_tokens
         if last_block <= first_block:
             return 0
+        held = cache.get_seq_length()
+        if held != n_in_cache:
+            # The cache does not hold exactly these tokens (MPT's generate re-feeds the whole
+            # sequence into a given cache at every step): storing slices of it would key wrong
+            # KV under right tokens. Found by tests/llm_zoo.py.
+            warnings.warn(f"promptstore: {type(self.model).__name__} left {held} positions in the KV cache for "
+                          f"{n_in_cache} tokens; nothing stored from it", PromptStoreWarning, stacklevel=3)
+            return 0
         keys = self._block_keys(ids, last_block)
         kv = _layers(cache)
         stored = 0
@@ -373,6 +375,7 @@ class PrefixCache:
         return self._output_cache(out), out.logits, seconds
 
     def _begin(self, n_queried: int) -> None:
+        self._root = None
         self._last = _Counts()
         self._last.queried = n_queried
         self._last.requests = 1
@@ -450,6 +453,134 @@ class PrefixCache:
     def stats(self) -> dict[str, dict[str, int]]:
         """Tokens queried, served from cache, computed (and generated), for the last request and in total."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+def _rope_types(model: Any) -> set[str]:
+    """Every RoPE type the model's rotary modules and config name (a per-layer-type dict counts each)."""
+    found: set[str] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, str):
+            found.add(value)
+        elif isinstance(value, Mapping):
+            for key in ("rope_type", "type"):
+                if isinstance(value.get(key), str):
+                    found.add(value[key])
+            for v in value.values():
+                if isinstance(v, Mapping):
+                    add(v)
+
+    for module in model.modules():
+        add(getattr(module, "rope_type", None))
+    config = model.config
+    for cfg in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
+        for attr in ("rope_parameters", "rope_scaling"):
+            add(getattr(cfg, attr, None))
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if get is not None else config
+    except TypeError:
+        return get()
+
+
+def _vocab_size(model: Any) -> int:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None)
+    return int(n if n is not None else _text_config(model.config).vocab_size)
+
+
+def _check_cache(name: str, text: Any, cache: Any) -> None:
+    """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if cache is None:
+        raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
+    if type(cache) is not DynamicCache:
+        raise UnsupportedModelError(f"{name} keeps its state in a {type(cache).__name__}, not a plain DynamicCache "
+                                    "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if kinds:
+        why = ("sliding-window layers drop old tokens" if any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+               else "non-attention (linear-attention, SSM) or shared layers keep state that is not per-token KV")
+        raise UnsupportedModelError(f"{name}'s cache has {', '.join(sorted(kinds))} layers: {why}")
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and n_layers != len(cache.layers):
+        raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
+                                    "(shared or skipped KV): not supported")
+    layers = _layers(cache)
+    if any(k is None or v is None for k, v in layers):
+        raise UnsupportedModelError(f"{name} leaves some cache layers empty: not supported")
+    shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in layers}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
+    (kshape, vshape, _), = shapes
+    if len(kshape) != 4 or kshape != vshape or kshape[0] != 1:
+        raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
+
+
+def _check_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
+    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly.
+
+    Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
+    ``DynamicLayer`` of one shape (every token's keys and values, kept whole), with RoPE (if
+    any) whose frequencies do not depend on the sequence length. Everything else is refused
+    before anything is looked up or stored: a block stored now would be served wrong later.
+
+    Raises:
+        UnsupportedModelError: with the reason.
+    """
+    import torch
+
+    name = type(model).__name__
+    config = model.config
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model: its decoder KV depends on the encoder input")
+    moving = sorted(t for t in _rope_types(model) if "dynamic" in t or t == "longrope")
+    if moving:
+        raise UnsupportedModelError(
+            f"{name} uses RoPE whose frequencies depend on the sequence length ({', '.join(moving)}): KV computed "
+            "at one length differs from a recompute at another")
+    text = _text_config(config)
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
+    vocab = _vocab_size(model)
+    pad = getattr(text, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 2 % vocab
+    probe = torch.tensor([[1 % vocab, pad, 3 % vocab, 4 % vocab, pad, 6 % vocab, 7 % vocab]], device=model.device)
+    try:
+        with torch.no_grad():
+            out = model(probe, use_cache=True)
+            full_logits = out.logits[0].float()
+            cache = output_cache(out)
+            _check_cache(name, text, cache)
+            # The same tokens in pieces, as a cached prefix and then a request's own tokens run
+            # them. Some models are not exact here: positions counted from pad tokens in the
+            # prompt (RoBERTa family), ALiBi variants (MPT) - found by tests/llm_zoo.py.
+            steps, past = [], None
+            for lo, hi in ((0, 3), (3, 4), (4, 7)):
+                kwargs = {cache_arg: past} if past is not None else {}
+                piece = model(probe[:, lo:hi], use_cache=True, **kwargs)
+                past = output_cache(piece)
+                steps.append(piece.logits[0].float())
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here means "not a plain causal LM call"
+        raise UnsupportedModelError(f"{name} does not run as a plain causal LM with a KV cache: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    drift = float((torch.cat(steps) - full_logits).abs().max())
+    # Relative: special tokens drive real models to huge activations, where float32 rounding
+    # alone reaches 4e-4 of the largest score (SmolLM2). Systematic drift is of its order.
+    if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
+        raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
+                                    f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
+    (kshape, _, dtype), = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in _layers(cache)}
+    return len(cache.layers), kshape[1], kshape[3], dtype
 
 
 _RESERVED: Any = False

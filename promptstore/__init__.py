@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 from . import errors
+from ._digest import digest_arrays, file_digest
 from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
@@ -32,6 +33,8 @@ __all__ = [
     "chain_keys",
     "parse_size",
     "format_size",
+    "file_digest",
+    "digest_arrays",
     "errors",
     "__version__",
 ]

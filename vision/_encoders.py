@@ -9,28 +9,13 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import xxhash
 from tqdm import tqdm
 
-from promptstore.errors import InvalidInputError, ModelUnavailableError
+from promptstore import file_digest
+from promptstore.errors import InvalidInputError, ModelUnavailableError, UnsupportedModelError
 
 __all__ = ["TextEncoder", "OpenCLIPTextEncoder", "UltralyticsTextEncoder", "file_digest"]
 
-_digests: dict[tuple[str, int, int], str] = {}
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """xxh3-128 of a file, memoised by (path, size, mtime): a weights file is read once per process."""
-    p = Path(path).resolve()
-    st = p.stat()
-    memo = (str(p), st.st_size, st.st_mtime_ns)
-    if memo not in _digests:
-        h = xxhash.xxh3_128()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        _digests[memo] = h.hexdigest()
-    return _digests[memo]
 
 
 @runtime_checkable
@@ -92,7 +77,9 @@ class _BatchedEncoder:
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         tokens = self._tokenize(texts)
-        lengths = (tokens != 0).sum(1)
+        # A text's length ends at its end-of-text token. Counting non-zero ids is wrong: id 0
+        # is a real BPE token ("!" before some punctuation, e.g. "stop!~"), issue #10.
+        lengths = _eot_lengths(tokens, getattr(self, "eot_id", None))
         order = torch.argsort(lengths, stable=True)
         out = np.empty((len(texts), self.dim), np.float32)
         bar = tqdm(total=len(texts), desc="promptstore: encoding class names", unit="name",
@@ -102,9 +89,9 @@ class _BatchedEncoder:
                 idx = order[start : start + self.batch]
                 batch = tokens[idx]
                 if self.trim:
-                    # The causal mask keeps every position from seeing what follows it, and the
-                    # feature is read at the end-of-text token: padding past the longest text in
-                    # the batch changes nothing (tests/test_vision.py checks it against 77 tokens).
+                    # Only for towers proven causal and pooled at the end-of-text token (see
+                    # _trim_exact): no position sees what follows it, so the padding past the
+                    # batch's longest text changes nothing (tests/test_vision_transparency.py).
                     batch = batch[:, : int(lengths[idx].max())]
                 feats = self._forward(batch).float()
                 out[idx.numpy()] = torch.nn.functional.normalize(feats, dim=-1).cpu().numpy()
@@ -113,18 +100,56 @@ class _BatchedEncoder:
         return out
 
 
+def _eot_lengths(tokens: Any, eot_id: int | None) -> Any:
+    """Tokens up to and including each row's first end-of-text token (the whole row if none)."""
+    import torch
+
+    n = tokens.shape[1]
+    if eot_id is None:
+        return torch.full((tokens.shape[0],), n, dtype=torch.long)
+    is_eot = tokens == eot_id
+    first = is_eot.int().argmax(dim=1) + 1
+    return torch.where(is_eot.any(dim=1), first, torch.full_like(first, n))
+
+
+def _text_cfg(model_name: str) -> dict[str, Any]:
+    import open_clip
+
+    return dict(open_clip.get_model_config(model_name).get("text_cfg", {}))
+
+
+def _trim_exact(text_cfg: dict[str, Any]) -> bool:
+    """Whether cutting the context to a batch's longest text gives the 77-token features.
+
+    True only for open_clip's own text transformer with a causal mask, no appended CLS token
+    (CoCa) and pooling at the end-of-text token. Bidirectional towers (MobileCLIP2-S0/L-14,
+    SigLIP) and last-token pooling see the padding, so trimming changes their features.
+    """
+    return (not text_cfg.get("no_causal_mask", False) and not text_cfg.get("embed_cls", False)
+            and text_cfg.get("pool_type", "argmax") in ("argmax", "eos") and "hf_model_name" not in text_cfg)
+
+
 class OpenCLIPTextEncoder(_BatchedEncoder):
     """An open_clip text tower, e.g. ``MobileCLIP2-B``.
 
+    Features equal open_clip's own ``encode_text`` on the full context, L2-normalised. The
+    context is cut to each batch's longest text only for towers where that is exact (causal,
+    pooled at the end-of-text token); the fingerprint says which was run.
+
     Args:
-        model_name: an open_clip architecture name.
-        pretrained: None for a deterministic random init from ``seed``; an open_clip tag; or a
-            checkpoint path (fingerprinted by its digest).
+        model_name: an open_clip architecture name using open_clip's BPE tokenizer.
+        pretrained: None for a deterministic random init of the text tower from ``seed`` (the
+            vision tower is never built); an open_clip tag; or a checkpoint path
+            (fingerprinted by its digest).
         seed: the random-init seed.
         device: where to run.
         batch: texts per forward pass.
-        trim: trim each batch's context to its longest text (exact; see above). False runs
-            the full 77-token context, as ultralytics does.
+        trim: allow trimming where it is exact. False always runs the full context.
+
+    Raises:
+        InvalidInputError: unknown model name.
+        UnsupportedModelError: a tower with a Hugging Face tokenizer or text model (they need
+            the hub, and their padding-sensitive outputs are not reproduced here).
     """
 
     def __init__(self, model_name: str = "MobileCLIP2-B", pretrained: str | os.PathLike[str] | None = None,
@@ -133,39 +158,60 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
 
         if model_name not in open_clip.list_models():
             raise InvalidInputError(f"unknown open_clip model {model_name!r}")
+        cfg = open_clip.get_model_config(model_name)
+        text_cfg = dict(cfg.get("text_cfg", {}))
+        if "hf_model_name" in text_cfg or "hf_tokenizer_name" in text_cfg:
+            raise UnsupportedModelError(
+                f"open_clip model {model_name!r} uses a Hugging Face text tower or tokenizer "
+                f"({text_cfg.get('hf_model_name') or text_cfg.get('hf_tokenizer_name')}); promptstore serves towers "
+                "with open_clip's own BPE tokenizer")
         self.model_name, self.pretrained, self.seed = model_name, pretrained, seed
-        self.device, self.batch, self.trim = device, batch, trim
+        self.device, self.batch = device, batch
+        self.trim = bool(trim) and _trim_exact(text_cfg)
+        self._cfg = cfg
         self._model: Any = None
-        self._dim = int(open_clip.get_model_config(model_name)["embed_dim"])
+        self._dim = int(cfg["embed_dim"])
+        self.eot_id: int | None = None
         if pretrained is None:
             import torch
 
             # A random init is fixed by the architecture, the seed and the code that draws it.
-            self._fp = (f"open_clip:{model_name}:random:seed={seed}:open_clip={open_clip.__version__}"
-                        f":torch={torch.__version__.split('+')[0]}")
+            source = (f"random-text-tower:seed={seed}:open_clip={open_clip.__version__}"
+                      f":torch={torch.__version__.split('+')[0]}")
         elif Path(pretrained).is_file():
-            self._fp = f"open_clip:{model_name}:file:{file_digest(pretrained)}"
+            source = f"file:{file_digest(pretrained)}"
         else:
-            self._fp = f"open_clip:{model_name}:tag:{pretrained}"
+            source = f"tag:{pretrained}"
+        # The context actually run changes the features of some towers: it is part of the name.
+        self._fp = f"open_clip:{model_name}:{source}:context={'trimmed' if self.trim else 'full'}"
 
     @property
     def fingerprint(self) -> str:
         return self._fp
+
+    @property
+    def random_weights(self) -> bool:
+        """True when the weights are a random init (shapes and cost are real, features are not)."""
+        return self.pretrained is None
 
     def _build(self) -> Any:
         if self._model is None:
             import open_clip
             import torch
 
-            if self.pretrained is None:
-                torch.manual_seed(self.seed)
             try:
-                model = open_clip.create_model(self.model_name, pretrained=None if self.pretrained is None
-                                               else str(self.pretrained), device=self.device)
+                if self.pretrained is None:
+                    # The caller's random stream is left as it was (issue #10).
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(self.seed)
+                        model = _random_text_tower(self._cfg).to(self.device)
+                else:
+                    model = open_clip.create_model(self.model_name, pretrained=str(self.pretrained), device=self.device)
             except RuntimeError as exc:
                 raise ModelUnavailableError(f"cannot load open_clip weights {self.pretrained!r}: {exc}") from exc
             self._model = model.eval()
             self._tokenizer = open_clip.get_tokenizer(self.model_name)
+            self.eot_id = getattr(self._tokenizer, "eot_token_id", None)
         return self._model
 
     def _tokenize(self, texts: list[str]) -> Any:
@@ -173,19 +219,39 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
         return self._tokenizer(texts)
 
     def _forward(self, tokens: Any) -> Any:
-        import torch
-
         model = self._build()
-        text = getattr(model, "text", model)  # CustomTextCLIP keeps its tower in .text
         tokens = tokens.to(self.device)
-        n = tokens.shape[1]
-        # open_clip's own forward, with the causal mask and positions cut to this batch's length.
-        x = text.token_embedding(tokens) + text.positional_embedding[:n]
-        mask = text.attn_mask[:n, :n] if text.attn_mask is not None else None
-        x = text.ln_final(text.transformer(x, attn_mask=mask))
-        x = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]  # the end-of-text token
-        proj = text.text_projection
-        return proj(x) if isinstance(proj, torch.nn.Module) else x @ proj
+        if tokens.shape[1] == self._tokenizer.context_length or not self.trim:
+            out = model.encode_text(tokens) if hasattr(model, "encode_text") else model(tokens)
+            return out[0] if isinstance(out, tuple) else out
+        return _trimmed_forward(getattr(model, "text", model), tokens)
+
+
+def _random_text_tower(cfg: dict[str, Any]) -> Any:
+    """open_clip's text tower alone, randomly initialised exactly as open_clip builds it."""
+    from open_clip.model import _build_text_tower
+
+    return _build_text_tower(cfg["embed_dim"], dict(cfg.get("text_cfg", {})), quick_gelu=cfg.get("quick_gelu", False))
+
+
+def _trimmed_forward(text: Any, tokens: Any) -> Any:
+    """open_clip's causal text forward on a context cut to ``tokens.shape[1]``.
+
+    open_clip slices its causal mask only in pad-mask mode, so the tower's own forward cannot
+    take a shorter context; this is the same computation with mask and positions sliced.
+    """
+    import torch
+
+    n = tokens.shape[1]
+    cast = text.transformer.get_cast_dtype() if hasattr(text.transformer, "get_cast_dtype") else None
+    x = text.token_embedding(tokens)
+    x = (x.to(cast) if cast is not None else x) + text.positional_embedding[:n].to(x.dtype)
+    x = text.ln_final(text.transformer(x, attn_mask=text.attn_mask[:n, :n]))
+    x = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]  # the end-of-text token
+    proj = text.text_projection
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, torch.nn.Module) else x @ proj
 
 
 # ultralytics' TorchScript text encoders: variant -> (file name, feature size)
