@@ -10,38 +10,18 @@ xxh3 runs at ~15 GB/s, so SmolLM2's 540 MB cost ~37 ms (measured, one core).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from promptstore import digest_arrays
+from promptstore import digest_tensors
 
-__all__ = ["model_fingerprint", "tokenizer_fingerprint", "tensor_arrays"]
+__all__ = ["model_fingerprint", "tokenizer_fingerprint"]
 
 # Config fields that name where a model came from, not what it computes.
 _IRRELEVANT = {"_name_or_path", "transformers_version", "_commit_hash", "quantization_config", "torch_dtype", "dtype",
                "architectures", "_attn_implementation_autoset", "use_cache", "output_attentions",
                "output_hidden_states", "return_dict"}
-
-
-def tensor_arrays(named: list[tuple[str, Any]]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
-    """``(name, dtype, shape, bytes)`` of torch tensors for :func:`promptstore.digest_arrays`.
-
-    A tensor shared under several names (tied weights) has its bytes hashed once.
-    """
-    import torch
-
-    seen: dict[tuple[int, Any, tuple[int, ...], tuple[int, ...]], str] = {}
-    for name, t in named:
-        t = t.detach()
-        ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-        if t.numel() and ident in seen:
-            yield name, f"tied:{seen[ident]}", tuple(t.shape), np.zeros(0, np.uint8)
-            continue
-        seen[ident] = name
-        flat = t.cpu().contiguous().reshape(-1)  # reshape: 0-dim buffers (Gemma's embed_scale) too
-        yield name, str(t.dtype), tuple(t.shape), flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
 
 
 def model_fingerprint(model: Any) -> str:
@@ -50,7 +30,7 @@ def model_fingerprint(model: Any) -> str:
     label = json.dumps([type(model).__name__, str(getattr(model.config, "_attn_implementation", "")), config],
                        sort_keys=True, default=str)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    return "model:" + digest_arrays(label, tensor_arrays(sorted(named, key=lambda kv: kv[0])))
+    return "model:" + digest_tensors(label, sorted(named, key=lambda kv: kv[0]))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -60,6 +40,5 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     definition = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     special = json.dumps(getattr(tokenizer, "all_special_tokens", []), sort_keys=True)
-    return "tokenizer:" + digest_arrays(type(tokenizer).__name__, [
-        ("definition", "utf8", (), np.frombuffer(definition.encode(), np.uint8)),
-        ("special", "utf8", (), np.frombuffer(special.encode(), np.uint8))])
+    return "tokenizer:" + digest_tensors(type(tokenizer).__name__, [
+        ("definition", np.frombuffer(definition.encode(), np.uint8)), ("special", np.frombuffer(special.encode(), np.uint8))])

@@ -175,7 +175,7 @@ class PrefixCache:
         want = (layers, heads, self.block_tokens, head_dim)
         try:
             return (tuple(entry.tensors["k"].shape) == want and tuple(entry.tensors["v"].shape) == want
-                    and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in ("F32", "F16", "BF16"))
+                    and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in ("F64", "F32", "F16", "BF16"))
         except KeyError:
             return False
 
@@ -503,11 +503,19 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
     if type(cache) is not DynamicCache:
         raise UnsupportedModelError(f"{name} keeps its state in a {type(cache).__name__}, not a plain DynamicCache "
                                     "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
-    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if kinds:
-        why = ("sliding-window layers drop old tokens" if any(getattr(layer, "is_sliding", False) for layer in cache.layers)
-               else "non-attention (linear-attention, SSM) or shared layers keep state that is not per-token KV")
-        raise UnsupportedModelError(f"{name}'s cache has {', '.join(sorted(kinds))} layers: {why}")
+        why = []
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            why.append("sliding-window layers drop old tokens")
+        if any("Linear" in k or "Mamba" in k for k in kinds):
+            why.append("linear-attention/SSM layers keep a running state, not per-token KV")
+        if any("Indexed" in k for k in kinds):
+            why.append("indexed (sparse) attention keeps indexer state beside the KV")
+        if any("Dummy" in k for k in kinds):
+            why.append("some layers keep no KV of their own")
+        raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
+                                    f"{'; '.join(why) or 'not plain per-token KV'}")
     n_layers = getattr(text, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers != len(cache.layers):
         raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
@@ -519,6 +527,9 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
     if len(shapes) != 1:
         raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
     (kshape, vshape, _), = shapes
+    if len(kshape) == 4 and len(vshape) == 4 and kshape[:3] == vshape[:3] and kshape[3] != vshape[3]:
+        raise UnsupportedModelError(f"{name} keeps keys and values of different widths ({kshape[3]} and {vshape[3]}, "
+                                    "e.g. multi-head latent attention): not supported yet")
     if len(kshape) != 4 or kshape != vshape or kshape[0] != 1:
         raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
 

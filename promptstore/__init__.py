@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 from . import errors
-from ._digest import digest_arrays, file_digest
+from ._digest import digest_tensors, file_digest
 from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
@@ -34,7 +34,7 @@ __all__ = [
     "parse_size",
     "format_size",
     "file_digest",
-    "digest_arrays",
+    "digest_tensors",
     "errors",
     "__version__",
 ]

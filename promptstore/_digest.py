@@ -1,20 +1,22 @@
-"""Digests that fingerprints are built from: files (memoised) and named arrays (never memoised).
+"""Digests that fingerprints are built from: files (memoised) and named tensors (never memoised).
 
 Both adapters name weights with these, so a file or a tensor gets the same digest whichever
-adapter looks at it. Named arrays are framed with length prefixes, like keys: a name can
+adapter looks at it. Names and tensors are framed with length prefixes, like keys: a name can
 hold any character without colliding with the next field.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
 
-__all__ = ["file_digest", "digest_arrays"]
+__all__ = ["file_digest", "digest_tensors"]
 
 _files: dict[tuple[str, int, int], str] = {}
 
@@ -42,23 +44,45 @@ def _frame(h: xxhash.xxh3_128, data: bytes) -> None:
     h.update(data)
 
 
-def digest_arrays(label: str, arrays: Iterable[tuple[str, str, tuple[int, ...], np.ndarray]]) -> str:
-    """xxh3-128 over ``(name, dtype name, shape, raw bytes)`` of each array, in the order given.
+def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray]:
+    """(dtype name, shape, identity, bytes) of a numpy array or a torch tensor."""
+    if isinstance(t, np.ndarray):
+        arr = np.ascontiguousarray(t)
+        ident = (t.__array_interface__["data"][0], t.dtype.str, t.shape, t.strides)
+        return t.dtype.str, tuple(t.shape), ident, arr.reshape(-1).view(np.uint8)
+    torch = sys.modules.get("torch")  # a tensor means torch is loaded: the core never imports it
+    if torch is None or not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
+    t = t.detach()
+    ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    flat = t.cpu().contiguous().reshape(-1)  # reshape: 0-dim tensors too (Gemma's embed_scale)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+    return str(t.dtype), tuple(t.shape), ident, data
 
-    The bytes are hashed every call (about 15 GB/s on one core): an in-place write that no
-    version counter sees still changes the digest.
+
+def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
+    """xxh3-128 over the name, dtype, shape and raw bytes of each tensor, in the order given.
+
+    The bytes are hashed on every call (about 15 GB/s on one core), never memoised: an
+    in-place write that no version counter sees (``param.data[...] += x``) still changes the
+    digest. A tensor shared under several names (tied weights) is hashed once, its other
+    names recorded as ties.
 
     Args:
-        label: what the arrays are (framed first).
-        arrays: ``(name, dtype, shape, data)`` where ``data`` is a contiguous array whose bytes
-            are the tensor's (any dtype; a ``uint8`` view for dtypes numpy lacks).
+        label: what the tensors are (framed first).
+        named: ``(name, tensor)`` pairs; numpy arrays or torch tensors on any device.
     """
     h = xxhash.xxh3_128()
     _frame(h, label.encode())
-    for name, dtype, shape, data in arrays:
+    seen: dict[Any, str] = {}
+    for name, t in named:
+        dtype, shape, ident, data = _raw(t)
         _frame(h, name.encode("utf-8", "surrogatepass"))
-        _frame(h, f"{dtype}{tuple(shape)}".encode())
-        buf = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        h.update(buf.size.to_bytes(8, "little"))
-        h.update(buf)
+        if data.size and ident in seen:
+            _frame(h, f"tied:{seen[ident]}".encode())
+            continue
+        seen[ident] = name
+        _frame(h, f"{dtype}{shape}".encode())
+        h.update(data.size.to_bytes(8, "little"))
+        h.update(data)
     return h.hexdigest()

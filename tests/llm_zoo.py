@@ -75,14 +75,11 @@ def _shrink(cfg: Any, level: int, seen: set[int]) -> None:
             if hasattr(cfg, k):
                 with contextlib.suppress(Exception):
                     setattr(cfg, k, v)
+    if getattr(cfg, "kv_lora_rank", None) and hasattr(cfg, "num_key_value_heads"):
+        with contextlib.suppress(Exception):  # MLA: one latent KV per query head
+            cfg.num_key_value_heads = cfg.num_attention_heads
     if isinstance(old_layers, int) and old_layers > LAYERS:
-        with contextlib.suppress(Exception):
-            cfg.num_hidden_layers = LAYERS
-        for name in list(vars(cfg)):  # per-layer lists follow the layer count
-            value = getattr(cfg, name, None)
-            if isinstance(value, (list, tuple)) and len(value) == old_layers and name != "architectures":
-                with contextlib.suppress(Exception):
-                    setattr(cfg, name, type(value)(value[:LAYERS]))
+        _keep_layers(cfg, old_layers)
     if hasattr(cfg, "vocab_size") and isinstance(cfg.vocab_size, int) and cfg.vocab_size > VOCAB:
         with contextlib.suppress(Exception):
             cfg.vocab_size = VOCAB
@@ -94,6 +91,33 @@ def _shrink(cfg: Any, level: int, seen: set[int]) -> None:
             elif isinstance(v, list):
                 with contextlib.suppress(Exception):
                     setattr(cfg, k, [x if x < VOCAB else VOCAB - 1 for x in v])
+
+
+def _keep_layers(cfg: Any, old: int) -> None:
+    """Cut to a few layers, keeping one layer of every kind a hybrid model mixes."""
+    lists = {n: v for n, v in vars(cfg).items()
+             if isinstance(v, (list, tuple)) and len(v) == old and n != "architectures"}
+    keep = list(range(LAYERS))
+    kinds = next((v for v in lists.values() if all(isinstance(x, str) for x in v)), None)
+    if kinds is not None:  # first layer of each kind, then the next ones
+        firsts = [kinds.index(k) for k in dict.fromkeys(kinds)]
+        keep = sorted(set(firsts) | set(range(max(0, LAYERS - len(firsts)))))
+    for k, v in (("attn_layer_period", 2), ("attn_layer_offset", 1), ("expert_layer_period", 2),
+                 ("expert_layer_offset", 1), ("attn_layer_indices", [1]), ("hybrid_layer_ids", [1]),
+                 ("full_attn_idxs", [1]), ("attn_layer_idx", [1])):
+        if getattr(cfg, k, None) is not None:
+            with contextlib.suppress(Exception):
+                setattr(cfg, k, v)
+    pattern = getattr(cfg, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and len(pattern) == old:
+        keep = sorted(set(keep) | {pattern.index(c) for c in dict.fromkeys(pattern)})
+        with contextlib.suppress(Exception):
+            cfg.hybrid_override_pattern = "".join(pattern[i] for i in keep)
+    with contextlib.suppress(Exception):
+        cfg.num_hidden_layers = len(keep)
+    for name, value in lists.items():  # every per-layer list follows the same layers
+        with contextlib.suppress(Exception):
+            setattr(cfg, name, type(value)(value[i] for i in keep))
 
 
 def _vocab(model: Any) -> int:

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
+import unicodedata
 import zipfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from promptstore import PromptStore
+from promptstore import PromptStore, digest_tensors
 from promptstore.errors import InvalidInputError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
 
-__all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint",
+__all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
            "TEXT_KIND", "PE_KIND", "SET_KIND"]
 
 TEXT_KIND, PE_KIND, SET_KIND = "vision.text", "vision.pe", "vision.peset"
@@ -47,11 +47,20 @@ class ClassesReport:
     from_set: bool  #: the whole vocabulary came from one stored entry
 
 
+def _visible(ch: str) -> bool:
+    return unicodedata.category(ch)[0] not in "ZC"  # not a separator, control, format or surrogate
+
+
 def check_names(names: Any) -> list[str]:
     """Validate class names before anything is stored or changed.
 
+    A class name is a string of valid Unicode (no lone surrogates) without control characters
+    (tabs, newlines, NUL...: tokenizers fold or drop them, so two different names would
+    share one embedding), holding at least one visible character (not only spaces or
+    zero-width characters). Names are distinct.
+
     Raises:
-        InvalidInputError: not a list of distinct, non-blank strings.
+        InvalidInputError: anything else, naming the first offending name.
     """
     if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
         raise InvalidInputError(f"class names must be a list of strings, got {type(names).__name__}")
@@ -61,12 +70,27 @@ def check_names(names: Any) -> list[str]:
     for n in names:
         if not isinstance(n, str):
             raise InvalidInputError(f"class names must be strings, got {n!r}")
-        if not n.strip():
-            raise InvalidInputError(f"class names must not be blank, got {n!r} (ultralytics reserves ' ')")
-    if len(set(names)) != len(names):
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        raise InvalidInputError(f"duplicate class names: {dupes}")
+        try:
+            n.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"class name {n!r} is not valid Unicode (a lone surrogate)") from None
+        if any(unicodedata.category(ch) == "Cc" for ch in n):
+            raise InvalidInputError(f"class name {n!r} holds a control character")
+        if not any(_visible(ch) for ch in n):
+            raise InvalidInputError(f"class names must hold a visible character, got {n!r} (ultralytics reserves ' ')")
+    counts = Counter(names)
+    if len(counts) != len(names):
+        raise InvalidInputError(f"duplicate class names: {sorted(n for n, c in counts.items() if c > 1)[:20]}")
     return names
+
+
+def vocabulary_payload(names: Sequence[str]) -> bytes:
+    """An ordered vocabulary as key payload: each name length-prefixed, never joined by a separator."""
+    out = bytearray(len(names).to_bytes(8, "little"))
+    for n in names:
+        data = n.encode("utf-8")
+        out += len(data).to_bytes(8, "little") + data
+    return bytes(out)
 
 
 def _unwrap(model: Any) -> tuple[Any, Any, str]:
@@ -81,27 +105,67 @@ def _unwrap(model: Any) -> tuple[Any, Any, str]:
     raise InvalidInputError(f"expected an ultralytics YOLOE or YOLOWorld model, got {type(model).__name__}")
 
 
-_head_memo: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], str]] = weakref.WeakKeyDictionary()
-
-
 def _digest_module(module: Any, label: str) -> str:
-    """A digest of a module's weights, redone only when torch's in-place version counters move."""
-    import torch
+    """A digest of a module's weights and buffers, computed on every call.
 
-    params = list(module.state_dict(keep_vars=True).items())
-    versions = tuple(t._version for _, t in params)
-    cached = _head_memo.get(module)
-    if cached is not None and cached[0] == versions:
-        return cached[1]
-    h = xxhash.xxh3_128(label.encode())
-    for name, t in params:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(t.view(-1).view(torch.uint8).numpy())
-    fp = f"{label}:{h.hexdigest()}"
-    _head_memo[module] = (versions, fp)
-    return fp
+    Never memoised on torch's version counters: edits through ``param.data`` (assignment,
+    in-place writes on it, ``.half()`` then ``.float()``) do not move them, and a memo served
+    the old head's embeddings (issue #10). YOLOE-11s's RepRTA head is 0.3 MB: ~0.1 ms.
+    """
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}"
+
+
+class Recipes:
+    """The keys of one (store, encoder, detector): every vision key is made here."""
+
+    def __init__(self, store: PromptStore, encoder_fp: str, detector_fp: str | None = None) -> None:
+        self.store, self.efp, self.dfp = store, encoder_fp, detector_fp
+
+    def text(self, name: str) -> bytes:
+        """A name's raw text feature: bound to the encoder only."""
+        return self.store.key(TEXT_KIND, name, fingerprints=[self.efp])
+
+    def pe(self, name: str) -> bytes:
+        """A name's detector-ready embedding: bound to the encoder and the head."""
+        return self.store.key(PE_KIND, name, fingerprints=[self.efp, str(self.dfp)])
+
+    def vocabulary(self, names: Sequence[str]) -> bytes:
+        """An ordered vocabulary's embeddings, in one entry."""
+        return self.store.key(SET_KIND, vocabulary_payload(names), fingerprints=[self.efp, str(self.dfp)])
+
+
+def _head_width(inner: Any, kind: str) -> int:
+    """The text-feature width the detector's head takes.
+
+    Raises:
+        InvalidInputError: a head whose classes cannot be set from text (prompt-free, fused).
+    """
+    head = inner.model[-1]
+    if kind == "world":
+        return int(head.cv3[0][-1].out_channels)
+    if hasattr(head, "lrpc"):
+        raise InvalidInputError("this is a prompt-free YOLOE model (its vocabulary is built in); use a text/visual "
+                                "prompt model such as yoloe-11s-seg")
+    if getattr(head, "is_fused", False):
+        raise InvalidInputError("this YOLOE model's class embeddings are fused into its head; set classes on an "
+                                "unfused model")
+    return int(head.embed)
+
+
+def check_target(model: Any, encoder: TextEncoder | None) -> tuple[Any, Any, str, int]:
+    """(wrapper, detection model, kind, embedding width), after every check that can fail.
+
+    Raises:
+        InvalidInputError: not a YOLOE/YOLOWorld model, a prompt-free or fused head, or an
+            encoder whose feature width the head does not take.
+    """
+    wrapper, inner, kind = _unwrap(model)
+    width = _head_width(inner, kind)
+    if encoder is not None and encoder.dim != width:
+        raise InvalidInputError(f"the encoder gives {encoder.dim}-d text features but this detector's head takes "
+                                f"{width}-d ones; use the encoder the detector was trained with")
+    return wrapper, inner, kind, width
 
 
 def detector_fingerprint(model: Any) -> str:
@@ -178,14 +242,16 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
 
     t0 = time.perf_counter()
     names = check_names(names)
-    wrapper, inner, kind = _unwrap(model)
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
+        raise InvalidInputError(f"batch must be a positive int, got {batch!r}")
+    check_target(model, None)
     store = store if store is not None else PromptStore()
     encoder = encoder if encoder is not None else default_encoder(model)
+    wrapper, inner, kind, dim = check_target(model, encoder)  # everything that can fail, before any store work
     if batch is not None:
         encoder.batch = batch  # type: ignore[attr-defined]
-    efp, dfp = encoder.fingerprint, detector_fingerprint(model)
-    dim = inner.model[-1].embed if kind == "yoloe" else encoder.dim
-    set_key = store.key(SET_KIND, "\0".join(names), fingerprints=[efp, dfp])
+    keys = Recipes(store, encoder.fingerprint, detector_fingerprint(model))
+    set_key = keys.vocabulary(names)
     whole = store.get(set_key, kind=SET_KIND)
     if whole is not None and whole.tensors.get("pe", np.empty(0)).shape == (len(names), dim):
         _apply(model, names, whole.tensors["pe"])
@@ -195,7 +261,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     cost = np.zeros(len(names))
     need_pe = []
     for i, name in enumerate(names):
-        e = store.get(store.key(PE_KIND, name, fingerprints=[efp, dfp]), kind=PE_KIND)
+        e = store.get(keys.pe(name), kind=PE_KIND)
         if e is not None and e.tensors.get("pe", np.empty(0)).shape == (dim,):
             pe[i], cost[i] = e.tensors["pe"], e.cost_s
         else:
@@ -203,7 +269,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     text = np.empty((len(names), encoder.dim), np.float32)
     need_text = []
     for i in need_pe:
-        e = store.get(store.key(TEXT_KIND, names[i], fingerprints=[efp]), kind=TEXT_KIND)
+        e = store.get(keys.text(names[i]), kind=TEXT_KIND)
         if e is not None and e.tensors.get("text", np.empty(0)).shape == (encoder.dim,):
             text[i], cost[i] = e.tensors["text"], e.cost_s
         else:
@@ -214,8 +280,8 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
         each = (time.perf_counter() - t1) / len(need_text)
         for j, i in enumerate(need_text):
             text[i], cost[i] = feats[j], each
-            store.put(store.key(TEXT_KIND, names[i], fingerprints=[efp]), {"text": feats[j]}, kind=TEXT_KIND,
-                      cost_s=each, meta={"name": names[i], "encoder": efp})
+            store.put(keys.text(names[i]), {"text": feats[j]}, kind=TEXT_KIND,
+                      cost_s=each, meta={"name": names[i], "encoder": keys.efp})
     if need_pe:
         t1 = time.perf_counter()
         if kind == "yoloe":
@@ -229,10 +295,10 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
         for j, i in enumerate(need_pe):
             pe[i] = mapped[j]
             cost[i] += each
-            store.put(store.key(PE_KIND, names[i], fingerprints=[efp, dfp]), {"pe": mapped[j]}, kind=PE_KIND,
-                      cost_s=float(cost[i]), meta={"name": names[i], "encoder": efp, "detector": dfp})
+            store.put(keys.pe(names[i]), {"pe": mapped[j]}, kind=PE_KIND,
+                      cost_s=float(cost[i]), meta={"name": names[i], "encoder": keys.efp, "detector": str(keys.dfp)})
     store.put(set_key, {"pe": pe}, kind=SET_KIND, cost_s=float(cost.sum()),
-              meta={"names": str(len(names)), "encoder": efp, "detector": dfp})
+              meta={"names": str(len(names)), "encoder": keys.efp, "detector": str(keys.dfp)})
     _apply(model, names, pe)
     return ClassesReport(len(names), len(names) - len(need_pe), len(need_pe) - len(need_text), len(need_text),
                          time.perf_counter() - t0, encoder.loaded, False)
@@ -280,6 +346,7 @@ def import_npz(model: Any, path: str | os.PathLike[str], store: PromptStore | No
     wrapper, inner, kind = _unwrap(model)
     if wrapper is None or kind != "yoloe":
         raise InvalidInputError("import_npz needs an ultralytics.YOLOE model")
+    _head_width(inner, kind)
     try:
         with zipfile.ZipFile(path) as zf:
             if any(i.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) for i in zf.infolist()):
@@ -312,12 +379,12 @@ def import_npz(model: Any, path: str | os.PathLike[str], store: PromptStore | No
         raise InvalidInputError("embeddings must be finite (no NaN or inf)")
     store = store if store is not None else PromptStore()
     encoder = encoder if encoder is not None else default_encoder(model)
-    efp, dfp = encoder.fingerprint, detector_fingerprint(model)
-    meta = {"encoder": efp, "detector": dfp, "source": f"npz:{Path(path).name}"}
+    check_target(model, encoder)
+    keys = Recipes(store, encoder.fingerprint, detector_fingerprint(model))
+    meta = {"encoder": keys.efp, "detector": str(keys.dfp), "source": f"npz:{Path(path).name}"}
     for i, name in enumerate(names_list):
-        store.put(store.key(PE_KIND, name, fingerprints=[efp, dfp]), {"pe": embeddings[0, i]}, kind=PE_KIND,
-                  meta={**meta, "name": name})
-    store.put(store.key(SET_KIND, "\0".join(names_list), fingerprints=[efp, dfp]), {"pe": embeddings[0]},
-              kind=SET_KIND, meta={**meta, "names": str(len(names_list))})
+        store.put(keys.pe(name), {"pe": embeddings[0, i]}, kind=PE_KIND, meta={**meta, "name": name})
+    store.put(keys.vocabulary(names_list), {"pe": embeddings[0]}, kind=SET_KIND,
+              meta={**meta, "names": str(len(names_list))})
     _apply(model, names_list, embeddings[0])
     return ClassesReport(len(names_list), 0, 0, 0, time.perf_counter() - t0, encoder.loaded, False)

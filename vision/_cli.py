@@ -10,7 +10,7 @@ from typing import Any
 from promptstore.cli import EXTRA_COMMANDS, _open
 from promptstore.errors import InvalidInputError
 
-from ._classes import TEXT_KIND, check_names, set_classes
+from ._classes import TEXT_KIND, Recipes, check_names, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 
 
@@ -65,7 +65,8 @@ def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
             report = set_classes(YOLOE(args.detector), names, store=store, encoder=encoder)
             encoded, hits = report.misses, report.hits + report.text_hits
         else:
-            keys = [store.key(TEXT_KIND, n, fingerprints=[encoder.fingerprint]) for n in names]
+            recipes = Recipes(store, encoder.fingerprint)
+            keys = [recipes.text(n) for n in names]
             todo = [(n, k) for n, k in zip(names, keys, strict=True) if k not in store]
             if todo:
                 t1 = time.perf_counter()

@@ -19,7 +19,7 @@ import xxhash
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
-from ._classes import _apply, _digest_module, _unwrap
+from ._classes import _apply, _digest_module, _head_width, _unwrap
 
 __all__ = ["visual_pe", "VisualReport", "VISUAL_KIND"]
 
@@ -90,11 +90,13 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
     wrapper, inner, kind = _unwrap(model)
     if wrapper is None or kind != "yoloe":
         raise InvalidInputError("visual prompts need an ultralytics.YOLOE model")
+    _head_width(inner, kind)  # prompt-free or fused heads are refused before any work
     image_fp = _image_digest(refer_image)
     prompt_fp, n_cls = _prompt_digest(visual_prompts)
     detector = _digest_module(inner, f"yoloe-detector:{type(inner).__name__}")
     store = store if store is not None else PromptStore()
-    key = store.key(VISUAL_KIND, f"{image_fp}|{prompt_fp}|imgsz={imgsz}", fingerprints=[detector])
+    # Fixed-width digests and an int, framed as fingerprints: nothing is joined by a separator.
+    key = store.key(VISUAL_KIND, b"", fingerprints=[detector, image_fp, prompt_fp, f"imgsz={imgsz}"])
     names = [f"object{i}" for i in range(n_cls)]
     entry = store.get(key, kind=VISUAL_KIND)
     dim = inner.model[-1].embed

@@ -1,0 +1,116 @@
+"""Weight edits between calls: after each, cache-on equals cache-off, for both adapters (issue #10).
+
+Detected edits (all by hashing every weight and buffer on every call): in-place under no_grad,
+``.data`` assignment, in-place writes on ``.data``, ``.half()`` then ``.float()``, ``.to()``,
+``load_state_dict``, a submodule swapped, and a merged LoRA adapter (peft). The first call
+after an edit must miss the old entries, and its result must equal a plain recompute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from promptstore import PromptStore
+from promptstore.llm import PrefixCache
+from promptstore.vision import OpenCLIPTextEncoder, set_classes
+
+from transparency import assert_transparent
+from vision_ref import detector, reference_pe
+
+EDITS = ["no_grad_in_place", "data_assignment", "in_place_on_data", "half_then_float", "to_float64",
+         "load_state_dict", "submodule_swap", "lora_merge"]
+
+
+def _llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def _edit(module: torch.nn.Module, weight: torch.nn.Parameter, how: str, other: torch.nn.Module,
+          swap: tuple[torch.nn.Module, str, torch.nn.Module]) -> torch.nn.Module:
+    """Apply one kind of edit; returns the module to use afterwards."""
+    if how == "no_grad_in_place":
+        with torch.no_grad():
+            weight.add_(0.02)
+    elif how == "data_assignment":
+        weight.data = weight.data + 0.02
+    elif how == "in_place_on_data":
+        weight.data[0] += 0.5  # moves neither the version counter nor the data pointer
+    elif how == "half_then_float":
+        module.half().float()
+    elif how == "to_float64":
+        module.to(torch.float64)
+    elif how == "load_state_dict":
+        module.load_state_dict(other.state_dict())
+    elif how == "submodule_swap":
+        parent, name, new = swap
+        setattr(parent, name, new)
+    elif how == "lora_merge":
+        peft = pytest.importorskip("peft")
+        lora = peft.get_peft_model(module, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for n, p in lora.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)  # peft starts B at zero: a merge would change nothing
+        module = lora.merge_and_unload()
+    return module
+
+
+@pytest.mark.parametrize("how", EDITS)
+def test_llm_edit_is_detected(how, tmp_path):
+    model = _llama()
+    ids = np.random.default_rng(0).integers(0, 300, 50).tolist()
+    with PromptStore(tmp_path / "s") as store:
+        PrefixCache(model, None, store=store, block_tokens=8).prefill(ids)  # blocks of the unedited weights
+        swap = (model.model.layers[1], "mlp", LlamaMLP(model.config))
+        model = _edit(model, model.model.layers[0].self_attn.q_proj.weight, how, _llama(seed=1), swap).eval()
+        pc = PrefixCache(model, None, store=store, block_tokens=8)
+        served = []
+
+        def cached():
+            logits = pc.prefill(ids)[1]
+            served.append(pc.stats["last"]["served"])
+            return logits
+
+        def plain():
+            with torch.no_grad():
+                return model(torch.as_tensor([ids])).logits[0, -1]
+
+        assert_transparent(cached, plain, atol=1e-4, what=f"scores after {how}")
+        assert served == [0, 48], served  # the old blocks missed, the new ones then hit
+
+
+def _yoloe_parts(model):
+    head = model.model.model[-1]
+    return head, head.reprta.m.w3.weight
+
+
+@pytest.mark.parametrize("how", [e for e in EDITS if e not in ("lora_merge", "to_float64")])
+def test_detector_head_edit_is_detected(how, tmp_path):
+    encoder = OpenCLIPTextEncoder("MobileCLIP2-B")
+    names = ["forklift", "pallet", "stop!~", "hard hat"]
+    model = detector("yoloe-11s-seg.yaml")
+    with PromptStore(tmp_path / "s") as store:
+        set_classes(model, names, store=store, encoder=encoder)  # entries of the unedited head
+        head, weight = _yoloe_parts(model)
+        other = detector("yoloe-11s-seg.yaml", seed=1)
+        from ultralytics.nn.modules.block import Residual, SwiGLUFFN
+
+        torch.manual_seed(5)
+        swap = (head, "reprta", Residual(SwiGLUFFN(head.embed, head.embed)))
+        _edit(head, weight, how, other.model.model[-1], swap)
+        reports = []
+
+        def cached():
+            reports.append(set_classes(model, names, store=store, encoder=encoder))
+            return model.model.pe[0].float().numpy()
+
+        assert_transparent(cached, lambda: reference_pe(model, encoder, names), atol=1e-5,
+                           what=f"class embeddings after {how}")
+        assert reports[0].hits == 0 and reports[0].text_hits == len(names)  # head changed, encoder did not
+        assert reports[1].from_set
