@@ -232,6 +232,39 @@ def all_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _group(verdict: str) -> str:
+    """The reason of a refusal without the class name, for a grouped table."""
+    reason = verdict.split(": ", 1)[1] if ": " in verdict else verdict
+    for marker in ("'s cache has ", " keeps ", " returns ", " uses ", " computes ", " is an ", " leaves ", " shares ",
+                   " fills ", " does not run"):
+        if marker in reason:
+            reason = reason.split(marker, 1)[1]
+            break
+    if "cache has" in verdict:
+        reason = reason.split(": ", 1)[1] if ": " in reason else reason
+    return reason.split(" (max difference")[0].split(" (16")[0]
+
+
+def markdown(rows: list[tuple[str, str]]) -> str:
+    """served / refused (grouped by reason) / not buildable, as Markdown tables."""
+    import collections
+
+    served = [t for t, v in rows if v == "served"]
+    refused: dict[str, list[str]] = collections.defaultdict(list)
+    for t, v in rows:
+        if v.startswith("refused"):
+            refused[_group(v)].append(t)
+    lines = [f"**Served exactly: {len(served)}** - " + ", ".join(f"`{t}`" for t in served), "",
+             f"**Refused with `UnsupportedModelError`: {sum(map(len, refused.values()))}**", "",
+             "| reason | architectures |", "|---|---|"]
+    lines += [f"| {r} | {', '.join(f'`{t}`' for t in ts)} |" for r, ts in sorted(refused.items(), key=lambda kv: -len(kv[1]))]
+    broken = [(t, v.split(": ", 1)[1]) for t, v in rows if v.startswith("not buildable")]
+    lines += ["", f"**Not buildable offline as a tiny model: {len(broken)}** (the reason transformers gave)", "",
+              "| architecture | reason |", "|---|---|"]
+    lines += [f"| `{t}` | {why.split(';')[0].replace('|', '/')[:140]} |" for t, why in broken]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":  # python tests/llm_zoo.py [model_type ...]: print the table
     import sys
     import tempfile
@@ -239,7 +272,9 @@ if __name__ == "__main__":  # python tests/llm_zoo.py [model_type ...]: print th
 
     from promptstore import PromptStore
 
-    for mt in sys.argv[1:] or all_types():
+    as_markdown = "--markdown" in sys.argv
+    rows = []
+    for mt in [a for a in sys.argv[1:] if not a.startswith("--")] or all_types():
         t0 = time.perf_counter()
         model, why = build(mt)
         if model is None:
@@ -252,5 +287,8 @@ if __name__ == "__main__":  # python tests/llm_zoo.py [model_type ...]: print th
                     verdict = f"WRONG: {exc}"
                 except Exception as exc:  # noqa: BLE001
                     verdict = f"CRASH: {type(exc).__name__}: {str(exc)[:200]}"
+        rows.append((mt, verdict))
         print(f"{mt}\t{type(model).__name__ if model is not None else '-'}\t{time.perf_counter() - t0:.1f}s\t{verdict}",
-              flush=True)
+              flush=True, file=sys.stderr if as_markdown else sys.stdout)
+    if as_markdown:
+        print(markdown(rows))

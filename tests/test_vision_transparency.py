@@ -24,7 +24,8 @@ from promptstore.vision import OpenCLIPTextEncoder, set_classes
 from promptstore.vision._classes import check_names, vocabulary_payload
 
 from transparency import assert_same, assert_transparent
-from vision_ref import ACCEPTED_TOWERS_FAST, _PatchedTextModel, accepted_towers, applied_pe, detector, reference_pe
+from vision_ref import (ACCEPTED_TOWERS_FAST, _PatchedTextModel, accepted_towers, applied_pe, detector, reference_pe,
+                        with_tower)
 
 ATOL = 1e-5
 BANG = ["stop!~", "look!->", "Yahoo!/Google sign", "stop", "look!", "wow!!!", "a!b!c", "!", "hey!?"]
@@ -193,6 +194,18 @@ def test_a_fused_head_is_refused_before_anything_is_stored(mobileclip, tmp_path)
         with pytest.raises(InvalidInputError, match="fused"):
             set_classes(model, ["ladder"], store=store, encoder=mobileclip)
         assert len(store.ls()) == n
+
+
+def test_a_prompt_free_model_is_refused_before_anything_is_stored(mobileclip, tmp_path):
+    model = detector("yoloe-11s-seg.yaml")
+    model.model.eval()
+    names = ["pallet", "forklift"]
+    with with_tower(mobileclip):
+        model.set_vocab(model.get_vocab(names), names)  # ultralytics' own prompt-free conversion
+    with _store(tmp_path) as store:
+        with pytest.raises(InvalidInputError, match="prompt-free"):
+            set_classes(model, ["ladder"], store=store, encoder=mobileclip)
+        assert store.ls() == []
 
 
 def test_building_an_encoder_keeps_the_callers_random_stream():

@@ -73,15 +73,21 @@ class _PatchedTextModel:
         return torch.nn.functional.normalize(out.float(), dim=-1)
 
 
-def reference_pe(model: Any, encoder: Any, names: list[str]) -> Any:
-    """ultralytics' own class embeddings for ``names`` (numpy, (n, dim))."""
-    inner = model.model
-    # ultralytics.nn.text_model imports the `clip` package at load; get_text_pe imports
-    # build_text_model from it at call time, so a stand-in module is what it finds.
+def with_tower(encoder: Any) -> Any:
+    """A context in which ultralytics' text model is the encoder's open_clip tower at the full context.
+
+    ultralytics.nn.text_model imports the `clip` package at load; ultralytics imports
+    build_text_model from it at call time, so a stand-in module is what it finds.
+    """
     stand_in = types.ModuleType("ultralytics.nn.text_model")
     stand_in.build_text_model = lambda *a, **k: _PatchedTextModel(encoder)  # type: ignore[attr-defined]
-    with mock.patch.dict(sys.modules, {"ultralytics.nn.text_model": stand_in}), torch.no_grad():
-        pe = inner.get_text_pe(list(names))
+    return mock.patch.dict(sys.modules, {"ultralytics.nn.text_model": stand_in})
+
+
+def reference_pe(model: Any, encoder: Any, names: list[str]) -> Any:
+    """ultralytics' own class embeddings for ``names`` (numpy, (n, dim))."""
+    with with_tower(encoder), torch.no_grad():
+        pe = model.model.get_text_pe(list(names))
     return pe[0].float().numpy()
 
 
