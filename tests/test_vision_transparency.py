@@ -24,8 +24,7 @@ from promptstore.vision import OpenCLIPTextEncoder, set_classes
 from promptstore.vision._classes import check_names, vocabulary_payload
 
 from transparency import assert_same, assert_transparent
-from vision_ref import (ACCEPTED_TOWERS_FAST, _PatchedTextModel, accepted_towers, applied_pe, detector, reference_pe,
-                        with_tower)
+from vision_ref import ACCEPTED_TOWERS_FAST, _PatchedTextModel, accepted_towers, applied_pe, detector, reference_pe, with_tower
 
 ATOL = 1e-5
 BANG = ["stop!~", "look!->", "Yahoo!/Google sign", "stop", "look!", "wow!!!", "a!b!c", "!", "hey!?"]

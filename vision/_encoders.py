@@ -14,7 +14,7 @@ from tqdm import tqdm
 from promptstore import file_digest
 from promptstore.errors import InvalidInputError, ModelUnavailableError, UnsupportedModelError
 
-__all__ = ["TextEncoder", "OpenCLIPTextEncoder", "UltralyticsTextEncoder", "file_digest"]
+__all__ = ["TextEncoder", "OpenCLIPTextEncoder", "UltralyticsTextEncoder"]
 
 
 
