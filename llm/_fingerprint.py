@@ -16,7 +16,7 @@ import numpy as np
 
 from promptstore import digest_tensors
 
-__all__ = ["model_fingerprint", "tokenizer_fingerprint"]
+__all__ = ["model_fingerprint", "tokenizer_fingerprint", "architecture"]
 
 # Config fields that name where a model came from, not what it computes.
 _IRRELEVANT = {"_name_or_path", "transformers_version", "_commit_hash", "quantization_config", "torch_dtype", "dtype",
@@ -24,13 +24,17 @@ _IRRELEVANT = {"_name_or_path", "transformers_version", "_commit_hash", "quantiz
                "output_hidden_states", "return_dict"}
 
 
+def architecture(model: Any) -> str:
+    """The model's class, attention implementation and config (what its code computes, not its weights)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _IRRELEVANT}
+    return json.dumps([type(model).__name__, str(getattr(model.config, "_attn_implementation", "")), config],
+                      sort_keys=True, default=str)
+
+
 def model_fingerprint(model: Any) -> str:
     """A digest of the model's class, config, attention implementation and every weight and buffer."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _IRRELEVANT}
-    label = json.dumps([type(model).__name__, str(getattr(model.config, "_attn_implementation", "")), config],
-                       sort_keys=True, default=str)
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    return "model:" + digest_tensors(label, sorted(named, key=lambda kv: kv[0]))
+    return "model:" + digest_tensors(architecture(model), sorted(named, key=lambda kv: kv[0]))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

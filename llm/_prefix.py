@@ -23,11 +23,12 @@ from promptstore import PromptStore, chain_keys
 from promptstore._entry import Entry
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
-from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+from ._fingerprint import architecture, model_fingerprint, tokenizer_fingerprint
 
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
+CHECK_KIND = "llm.check"  # a model architecture's verdict of _check_model, so a fresh process skips its forwards
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -122,8 +123,34 @@ class PrefixCache:
         # `.half()` or `.to()` between requests changes the KV dtype: re-derive it then.
         signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device))
         if self._layout is None or self._layout[0] != signature:
-            self._layout = (signature, _check_model(self.model, self._output_cache))
+            self._layout = (signature, self._checked_layout(signature))
         return self._layout[1]
+
+    def _checked_layout(self, signature: Any) -> tuple[int, int, int, Any]:
+        """_check_model's verdict, from the store when this architecture passed it before.
+
+        The verdict depends on the model's code (class, config, attention implementation,
+        library versions), its dtype and device, never on the weights; the forward-free
+        checks still run every time. Its four forwards cost ~0.6 s on SmolLM2, which would
+        otherwise land on the first request of every fresh process.
+        """
+        import torch
+        import transformers
+
+        _check_structure(self.model)
+        key = self.store.key(CHECK_KIND, fingerprints=[architecture(self.model), repr(signature),
+                                                       f"transformers={transformers.__version__}",
+                                                       f"torch={torch.__version__}"])
+        entry = self.store.get(key, kind=CHECK_KIND)
+        dtype = getattr(torch, entry.meta.get("dtype", ""), None) if entry is not None else None
+        if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (3,):
+            layers, heads, head_dim = (int(x) for x in entry.tensors["layout"])
+            return layers, heads, head_dim, dtype
+        t0 = time.perf_counter()
+        layers, heads, head_dim, dtype = _check_model(self.model, self._output_cache)
+        self.store.put(key, {"layout": np.array([layers, heads, head_dim], np.int64)}, kind=CHECK_KIND,
+                       cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
+        return layers, heads, head_dim, dtype
 
     def _output_cache(self, out: Any) -> Any:
         cache = getattr(out, "cache", None)
@@ -534,6 +561,24 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
         raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
 
 
+def _check_structure(model: Any) -> None:
+    """The checks that need no forward pass (run on every PrefixCache, even when the verdict is stored).
+
+    Raises:
+        UnsupportedModelError: an encoder-decoder model, length-dependent RoPE, KV sharing.
+    """
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model: its decoder KV depends on the encoder input")
+    moving = sorted(t for t in _rope_types(model) if "dynamic" in t or t == "longrope")
+    if moving:
+        raise UnsupportedModelError(
+            f"{name} uses RoPE whose frequencies depend on the sequence length ({', '.join(moving)}): KV computed "
+            "at one length differs from a recompute at another")
+    if getattr(_text_config(model.config), "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
+
+
 def _check_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
     """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly.
 
@@ -547,19 +592,10 @@ def _check_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
     """
     import torch
 
+    _check_structure(model)
     name = type(model).__name__
-    config = model.config
+    text = _text_config(model.config)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model: its decoder KV depends on the encoder input")
-    moving = sorted(t for t in _rope_types(model) if "dynamic" in t or t == "longrope")
-    if moving:
-        raise UnsupportedModelError(
-            f"{name} uses RoPE whose frequencies depend on the sequence length ({', '.join(moving)}): KV computed "
-            "at one length differs from a recompute at another")
-    text = _text_config(config)
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
     vocab = _vocab_size(model)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 2 % vocab

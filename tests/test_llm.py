@@ -182,7 +182,7 @@ def test_bad_input_is_a_clear_error(tiny, store, bad):
             pc.generate(bad, max_new_tokens=2)
         else:
             pc.prefill(bad)
-    assert store.stats()["tiers"]["disk"]["entries"] == 0
+    assert [i for i in store.ls() if i.kind == "llm.kv"] == []  # (the model check's verdict is stored at construction)
 
 
 def test_padded_batch_is_refused(tiny, store):

@@ -154,3 +154,23 @@ def test_gemma_with_a_zero_dim_buffer_is_fingerprinted(store):
     model, _ = build("gemma")
     assert any(b.dim() == 0 for b in model.buffers())  # embed_scale
     assert PrefixCache(model, None, store=store).fingerprint.startswith("model:")
+
+
+def test_the_model_check_runs_its_forwards_once_per_architecture(store):
+    model, _ = build("llama")
+    PrefixCache(model, None, store=store)
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda *args: calls.append(1))
+    try:
+        PrefixCache(model, None, store=store)  # a new instance, as in a fresh process: the verdict is stored
+        assert calls == []
+        model.half()  # another dtype is another verdict
+        PrefixCache(model, None, store=store)
+        assert calls
+    finally:
+        hook.remove()
+    refused, _ = build("mistral")
+    for _ in range(2):  # a refusal is never stored: it is found again, and nothing is written
+        with pytest.raises(UnsupportedModelError):
+            PrefixCache(refused, None, store=store)
+    assert {i.kind for i in store.ls()} == {"llm.check"}
