@@ -214,7 +214,7 @@ class PromptStore:
         skips an entry whose parent it lacks; a persistent tier copies the ancestors.
         """
         if tier.name == "memory":
-            return self._guard(tier, "contains", tier.contains, parent) is not None
+            return self._guard(tier, "contains", tier.contains, parent) == self.namespace
         return self._complete_chain(tier, parent)
 
     def _complete_chain(self, tier: Tier, parent: bytes) -> bool:
@@ -226,13 +226,15 @@ class PromptStore:
         """
         missing: list[Entry] = []
         key: bytes | None = parent
-        while key is not None and self._guard(tier, "contains", tier.contains, key) is None:
+        while key is not None and (held := self._guard(tier, "contains", tier.contains, key)) is None:
             ancestor = next((e for t in self._tiers if t is not tier
                              for e in [self._guard(t, "peek", t.peek, key)] if e is not None), None)
-            if ancestor is None:
+            if ancestor is None or ancestor.namespace != self.namespace:
                 return False
             missing.append(ancestor)
             key = ancestor.parent
+        if key is not None and held != self.namespace:
+            return False  # a chain never crosses tenants: another namespace's entry is no parent
         return all(self._guard(tier, "put", tier.put, a, default=False) for a in reversed(missing))
 
     def get(self, key: Key | str, *, kind: str | None = None) -> Entry | None:
@@ -282,24 +284,38 @@ class PromptStore:
         return any(self._guard(t, "contains", t.contains, k) == self.namespace for t in self._tiers)
 
     def delete(self, key: Key | str) -> bool:
-        """Remove ``key`` from every tier, with every entry chained from it. True if anything went."""
+        """Remove ``key`` from every tier, with every entry chained from it. True if anything went.
+
+        Only an entry of this store's namespace is removed: a key of another tenant, even one
+        seen in a folder-wide listing, is left alone (False).
+        """
         # A tier only knows the chain links of what it holds (a child may have been promoted
         # into memory without its parent), so what any tier removes is removed from all.
+        # Chains never cross namespaces (see _chain_ready), so neither does the cascade.
         todo, gone = [coerce_key(key)], set()
         while todo:
             k = todo.pop()
             for tier in self._tiers:
+                if self._guard(tier, "contains", tier.contains, k) != self.namespace:
+                    continue
                 for removed in self._guard(tier, "delete", tier.delete, k, default=[]):
                     if removed not in gone:
                         gone.add(removed)
                         todo.append(removed)
         return bool(gone)
 
-    def ls(self, kind: str | None = None) -> list[EntryInfo]:
-        """Describe every entry in any tier (newest hit first), without reading tensors."""
+    def ls(self, kind: str | None = None, *, all_namespaces: bool = False) -> list[EntryInfo]:
+        """Describe this namespace's entries in any tier (newest hit first), without reading tensors.
+
+        Args:
+            kind: only entries of this kind.
+            all_namespaces: the administrator's view: every tenant's entries in these tiers.
+        """
         seen: dict[bytes, EntryInfo] = {}
         for tier in self._tiers:
             for info in self._guard(tier, "ls", lambda t=tier: list(t.infos(kind)), default=[]):
+                if not all_namespaces and info.namespace != self.namespace:
+                    continue
                 prev = seen.get(info.key)
                 if prev is None:
                     seen[info.key] = info
@@ -315,8 +331,12 @@ class PromptStore:
                 return entry
         return None
 
-    def stats(self) -> dict[str, Any]:
-        """Counters of this process, and each tier's usage.
+    def stats(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+        """Counters of this process, and each tier's usage by this namespace.
+
+        A tier's ``entries`` and ``bytes`` count this namespace's entries; its ``budget`` is
+        shared by all. ``all_namespaces=True`` (the administrator's view) reports the tiers'
+        totals and lifetime counters instead, which include every tenant's.
 
         Returns:
             ``{"namespace", "hits", "misses", "hit_bytes", "seconds_saved", "evictions",
@@ -327,30 +347,46 @@ class PromptStore:
         """
         snap = self._stats.snapshot()
         tiers = {t.name: self._guard(t, "stats", t.usage, default={"error": "unavailable"}) for t in self._tiers}
+        if not all_namespaces:
+            for tier in self._tiers:
+                usage = tiers[tier.name]
+                usage.pop("lifetime", None)  # counts every tenant's hits
+                if "entries" in usage:
+                    mine = [i for i in self._guard(tier, "ls", lambda t=tier: list(t.infos()), default=[])
+                            if i.namespace == self.namespace]
+                    usage["entries"], usage["bytes"] = len(mine), sum(i.size for i in mine)
         return {"namespace": self.namespace, **snap,
                 "evictions": sum(t.get("evictions", 0) for t in tiers.values()), "tiers": tiers}
 
-    def verify(self) -> dict[str, Any]:
-        """Read and checksum every entry of every tier; drop broken ones and fix counters.
+    def verify(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+        """Read and checksum this namespace's entries in every tier; drop broken ones.
+
+        ``all_namespaces=True`` (the administrator's view) checks every tenant's entries and
+        fixes the tiers' shared counters too.
 
         Returns:
             ``{"ok": bool, "checked": int, "problems": [str], "tiers": [per-tier reports]}``;
             ``ok`` is True when nothing was wrong.
         """
-        reports = [self._guard(t, "verify", t.verify, default={"tier": t.name, "checked": 0,
-                                                                "problems": ["tier unavailable"]})
+        ns = None if all_namespaces else self.namespace
+        reports = [self._guard(t, "verify", t.verify, ns, default={"tier": t.name, "checked": 0,
+                                                                    "problems": ["tier unavailable"]})
                    for t in self._tiers]
         problems = [f"{r['tier']}: {p}" for r in reports for p in r["problems"]]
         return {"ok": not problems, "checked": sum(r["checked"] for r in reports), "problems": problems,
                 "tiers": reports}
 
-    def gc(self) -> dict[str, Any]:
-        """Drop expired entries and leftovers of interrupted writes, and enforce budgets.
+    def gc(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+        """Drop this namespace's expired entries and leftovers of interrupted writes.
+
+        ``all_namespaces=True`` (the administrator's view) drops every tenant's expired
+        entries and enforces the budgets, which are shared.
 
         Returns:
             ``{"tiers": [per-tier reports]}`` with what each tier removed.
         """
-        return {"tiers": [self._guard(t, "gc", t.gc, default={"tier": t.name}) for t in self._tiers]}
+        ns = None if all_namespaces else self.namespace
+        return {"tiers": [self._guard(t, "gc", t.gc, ns, default={"tier": t.name}) for t in self._tiers]}
 
     def export_bundle(
         self, path: str | os.PathLike[str], keys: Iterable[Key | str] | None = None, kind: str | None = None

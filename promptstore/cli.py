@@ -60,7 +60,7 @@ def _tier_lines(title: str, where: str, t: dict[str, Any]) -> list[str]:
 
 def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
-        tiers = store.stats()["tiers"]
+        tiers = store.stats(all_namespaces=args.all_namespaces)["tiers"]
     disk = tiers.get("disk", {})
     lines = _tier_lines("disk", str(disk.get("path")), disk)
     data: dict[str, Any] = dict(disk)
@@ -68,15 +68,17 @@ def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
         redis = tiers["redis"]
         lines += _tier_lines("redis", f"{redis.get('url')} (prefix {redis.get('prefix')})", redis)
         data["redis"] = redis
+    if not args.all_namespaces:
+        lines.append(f"(namespace {args.namespace or ''!r}; lifetime counters cover every namespace: --all-namespaces)")
     return data, "\n".join(lines), 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
-        infos = store.ls(kind=args.kind)[: args.limit or None]
+        infos = store.ls(kind=args.kind, all_namespaces=args.all_namespaces)[: args.limit or None]
     rows = [{"key": i.hex, "kind": i.kind, "size": i.size, "cost_s": i.cost_s, "hits": i.hits,
              "created": i.created, "last_hit": i.last_hit, "parent": i.parent.hex() if i.parent else None,
-             "expires": i.expires} for i in infos]
+             "expires": i.expires, "namespace": i.namespace} for i in infos]
     lines = [f"{'key':<18}{'kind':<16}{'size':>11}{'cost':>9}{'hits':>7}  last hit"]
     lines += [f"{r['key'][:16]}  {r['kind']:<16}{format_size(r['size']):>11}{r['cost_s']:>8.3f}s{r['hits']:>7}"
               f"  {_when(r['last_hit'])}" for r in rows]
@@ -85,7 +87,7 @@ def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _cmd_verify(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
-        report = store.verify()
+        report = store.verify(all_namespaces=args.all_namespaces)
     text = f"checked {report['checked']} entries: " + ("ok" if report["ok"] else "PROBLEMS")
     text += "".join(f"\n  {p}" for p in report["problems"])
     return report, text, 0 if report["ok"] else 1
@@ -93,7 +95,7 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[Any, str, int]:
 
 def _cmd_gc(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
-        report = store.gc()
+        report = store.gc(all_namespaces=args.all_namespaces)
     disk = next((r for r in report["tiers"] if r.get("tier") == "disk"), {})
     text = (f"expired {disk.get('expired', 0)}, evicted {disk.get('evicted', 0)}, temp files "
             f"{disk.get('temp_files', 0)}, orphan files {disk.get('orphan_files', 0)}, missing "
@@ -131,12 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    add("stats", "entries, bytes, hits and misses per kind", _cmd_stats)
-    p = add("ls", "list entries, most recently hit first", _cmd_ls)
+    def admin(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--all-namespaces", action="store_true",
+                       help="the administrator's view: every tenant's entries (default: only --namespace's)")
+        return p
+
+    admin(add("stats", "entries, bytes, hits and misses per kind", _cmd_stats))
+    p = admin(add("ls", "list entries, most recently hit first", _cmd_ls))
     p.add_argument("--kind")
     p.add_argument("--limit", type=int, default=50, help="rows to show (0: all)")
-    add("verify", "checksum every entry; drop broken ones (exit 1 if any)", _cmd_verify)
-    add("gc", "drop expired entries and leftovers of interrupted writes", _cmd_gc)
+    admin(add("verify", "checksum every entry; drop broken ones (exit 1 if any)", _cmd_verify))
+    admin(add("gc", "drop expired entries and leftovers of interrupted writes", _cmd_gc))
     p = add("export", "write entries to a bundle file", _cmd_export)
     p.add_argument("bundle")
     p.add_argument("--kind")

@@ -161,7 +161,7 @@ def test_two_processes_evicting_at_once_keep_budget_and_chains(redis_url):
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0 and out.strip() == "ok", err
     with PromptStore(memory_bytes=0, disk_bytes=0, redis_url=redis_url, redis_bytes=400_000) as s:
-        usage = s.stats()["tiers"]["redis"]
+        usage = s.stats(all_namespaces=True)["tiers"]["redis"]
         assert 0 < usage["bytes"] <= 400_000
         assert usage["lifetime"]["evictions"] > 100
         report = s.verify()

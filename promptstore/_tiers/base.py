@@ -78,12 +78,12 @@ class Tier(ABC):
     def usage(self) -> dict[str, Any]:
         """``{"entries", "bytes", "budget", "evictions", ...}`` for stats()."""
 
-    def verify(self) -> dict[str, Any]:
-        """Check every entry; drop what is broken. ``problems`` lists what was wrong."""
+    def verify(self, namespace: str | None = None) -> dict[str, Any]:
+        """Check every entry of ``namespace`` (None: all, and the tier's own totals); drop what is broken."""
         return {"tier": self.name, "checked": 0, "problems": []}
 
-    def gc(self) -> dict[str, Any]:
-        """Drop expired entries and leftovers of interrupted writes; enforce the budget."""
+    def gc(self, namespace: str | None = None) -> dict[str, Any]:
+        """Drop expired entries of ``namespace``. None: of every namespace, and enforce the budget."""
         return {"tier": self.name}
 
     def close(self) -> None:

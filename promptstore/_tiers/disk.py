@@ -591,10 +591,11 @@ class DiskTier(Tier):
                 _unlink(path)
         return adopted
 
-    def verify(self) -> dict[str, Any]:
+    def verify(self, namespace: str | None = None) -> dict[str, Any]:
         self.flush()
+        where, args = ("", ()) if namespace is None else (" WHERE namespace = ?", (namespace,))
         with self._lock:
-            rows = self._conn().execute("SELECT key, file, kind, parent, size FROM entries").fetchall()
+            rows = self._conn().execute("SELECT key, file, kind, parent, size FROM entries" + where, args).fetchall()
         problems: list[str] = []
         for key, file, kind, parent, size in tqdm(rows, desc="promptstore: verifying", unit="entry",
                                                   disable=None, leave=False):
@@ -609,6 +610,8 @@ class DiskTier(Tier):
             except (OSError, CorruptEntryError) as exc:
                 problems.append(f"{key.hex()}: {exc}")
                 self._drop_corrupt(key, file, str(exc))
+        if namespace is not None:  # the folder's totals are everyone's: only the administrator's view fixes them
+            return {"tier": self.name, "checked": len(rows), "problems": problems}
         with self._txn() as db:
             bad_children = db.execute(
                 "SELECT count(*) FROM entries p WHERE children != (SELECT count(*) FROM entries c WHERE c.parent = p.key)"
@@ -627,10 +630,16 @@ class DiskTier(Tier):
             problems.append(f"{used} bytes stored over the {self.budget}-byte budget")
         return {"tier": self.name, "checked": len(rows), "problems": problems}
 
-    def gc(self) -> dict[str, Any]:
+    def gc(self, namespace: str | None = None) -> dict[str, Any]:
         now = self.clock()
         with self._txn() as db:
-            removed = _policy.make_room(_SqlIndex(db), self.budget, now=now)
+            if namespace is None:
+                removed = _policy.make_room(_SqlIndex(db), self.budget, now=now)
+            else:  # a tenant's gc drops its own expired entries; the budget is everyone's
+                index = _SqlIndex(db)
+                keys = [r[0] for r in db.execute("SELECT key FROM entries WHERE namespace = ? AND expires <= ?",
+                                                 (namespace, now))]
+                removed = [r for k in keys for r in index.remove_tree(k, "expired")]
             self._count_removed(db, removed)
             known = {r[0] for r in db.execute("SELECT file FROM entries")}
         self._unlink_removed(removed)

@@ -220,20 +220,28 @@ class MemoryTier(Tier):
             return {"entries": len(self._recs), "bytes": self._used, "budget": self.budget,
                     "evictions": self.evictions}
 
-    def gc(self) -> dict[str, Any]:
+    def gc(self, namespace: str | None = None) -> dict[str, Any]:
         with self._lock:
-            removed = _policy.make_room(self, self.budget, now=self.clock())
+            now = self.clock()
+            if namespace is None:
+                removed = _policy.make_room(self, self.budget, now=now)
+            else:
+                removed = [r for key, rec in list(self._recs.items())
+                           if rec.entry.namespace == namespace and rec.expires is not None and rec.expires <= now
+                           for r in self.remove_tree(key, "expired")]
             return {"tier": self.name, "expired": sum(r.reason == "expired" for r in removed),
                     "evicted": sum(r.reason == "evicted" for r in removed)}
 
-    def verify(self) -> dict[str, Any]:
+    def verify(self, namespace: str | None = None) -> dict[str, Any]:
         with self._lock:
             problems = []
-            used = sum(r.size for r in self._recs.values())
-            if used != self._used:
-                problems.append(f"byte count {self._used} != {used}")
-                self._used = used
-            return {"tier": self.name, "checked": len(self._recs), "problems": problems}
+            if namespace is None:
+                used = sum(r.size for r in self._recs.values())
+                if used != self._used:
+                    problems.append(f"byte count {self._used} != {used}")
+                    self._used = used
+            checked = sum(namespace is None or r.entry.namespace == namespace for r in self._recs.values())
+            return {"tier": self.name, "checked": checked, "problems": problems}
 
     def clear(self) -> None:
         """Drop everything (tests and benchmarks use it to force the next tier)."""
