@@ -27,7 +27,7 @@ import xxhash
 
 from ._entry import Entry
 from ._keys import coerce_key
-from .errors import CorruptEntryError, InvalidEntryError, UnsupportedDtypeError
+from .errors import CorruptEntryError, EntryVersionError, InvalidEntryError, UnsupportedDtypeError
 
 __all__ = ["ENTRY_VERSION", "encode", "decode", "prepare"]
 
@@ -204,6 +204,8 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
 
     Raises:
         CorruptEntryError: anything malformed, a checksum mismatch, or a key other than ``expect_key``.
+        EntryVersionError: a well-formed entry of another format version (checked before its checksum,
+            whose definition may differ between versions).
     """
     view = memoryview(buf)
     total = view.nbytes
@@ -221,8 +223,12 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
     md = header.pop("__metadata__", None)
     if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
         raise _corrupt("not a promptstore entry: missing or malformed __metadata__")
-    if md.get("format") != "promptstore" or md.get("version") != str(ENTRY_VERSION):
-        raise _corrupt(f"not a promptstore v{ENTRY_VERSION} entry (format={md.get('format')!r}, version={md.get('version')!r})")
+    version = md.get("version")
+    if md.get("format") != "promptstore" or not isinstance(version, str) or not version.isdecimal() or len(version) > 6:
+        raise _corrupt(f"not a promptstore entry (format={md.get('format')!r}, version={version!r})")
+    if int(version) != ENTRY_VERSION:
+        # Another release's entry: a miss here, never corruption (it may be in use by that release).
+        raise EntryVersionError(int(version), int(version) > ENTRY_VERSION)
     try:
         key = bytes.fromhex(md["key"])
         parent = bytes.fromhex(md["parent"]) if md["parent"] else None

@@ -364,16 +364,22 @@ class PromptStore:
         ``all_namespaces=True`` (the administrator's view) checks every tenant's entries and
         fixes the tiers' shared counters too.
 
+        Entries written by another entry format version (a newer or older promptstore sharing
+        the folder) are counted in ``other_versions``, never treated as problems or dropped.
+
         Returns:
-            ``{"ok": bool, "checked": int, "problems": [str], "tiers": [per-tier reports]}``;
-            ``ok`` is True when nothing was wrong.
+            ``{"ok": bool, "checked": int, "other_versions": {"newer", "older"}, "problems": [str],
+            "tiers": [per-tier reports]}``. ``checked`` counts entries, each once however many
+            tiers hold it (each tier's report has its own count); ``ok`` is True when nothing was wrong.
         """
         ns = None if all_namespaces else self.namespace
+        entries = {i.key for i in self.ls(all_namespaces=all_namespaces)}
         reports = [self._guard(t, "verify", t.verify, ns, default={"tier": t.name, "checked": 0,
                                                                     "problems": ["tier unavailable"]})
                    for t in self._tiers]
         problems = [f"{r['tier']}: {p}" for r in reports for p in r["problems"]]
-        return {"ok": not problems, "checked": sum(r["checked"] for r in reports), "problems": problems,
+        other = {w: max((r.get("other_versions", {}).get(w, 0) for r in reports), default=0) for w in ("newer", "older")}
+        return {"ok": not problems, "checked": len(entries), "other_versions": other, "problems": problems,
                 "tiers": reports}
 
     def gc(self, *, all_namespaces: bool = False) -> dict[str, Any]:

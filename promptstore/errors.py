@@ -14,6 +14,7 @@ __all__ = [
     "InvalidEntryError",
     "UnsupportedDtypeError",
     "CorruptEntryError",
+    "EntryVersionError",
     "FormatVersionError",
     "BundleError",
     "StorePathError",
@@ -48,6 +49,18 @@ class CorruptEntryError(PromptStoreError, ValueError):
 
     Raised by the codec; the store turns it into a miss and drops the entry.
     """
+
+
+class EntryVersionError(PromptStoreError, ValueError):
+    """An entry was written by another entry format version (a newer or an older promptstore).
+
+    Raised by the codec; the tiers treat it as a miss and never delete the entry for it, so
+    two releases can share one folder. ``newer`` says which way the versions differ.
+    """
+
+    def __init__(self, version: int, newer: bool) -> None:
+        super().__init__(f"entry format version {version} ({'newer' if newer else 'older'} than this promptstore's)")
+        self.version, self.newer = version, newer
 
 
 class FormatVersionError(PromptStoreError, RuntimeError):

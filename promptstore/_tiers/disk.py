@@ -35,7 +35,7 @@ from tqdm import tqdm
 from .. import _policy
 from .._codec import decode
 from .._entry import Entry, EntryInfo
-from ..errors import CorruptEntryError, FormatVersionError, PromptStoreWarning, StorePathError
+from ..errors import CorruptEntryError, EntryVersionError, FormatVersionError, PromptStoreWarning, StorePathError
 from .base import Clock, SizeOf, Tier
 
 __all__ = ["DiskTier", "LAYOUT_VERSION", "DEFAULT_DISK_BYTES"]
@@ -401,6 +401,8 @@ class DiskTier(Tier):
             if got != size:
                 raise CorruptEntryError(f"short read: {got} of {size} bytes")
             return decode(buf, expect_key=key), (hits + (pending[0] if pending else 0), created)
+        except EntryVersionError:
+            return None  # another release's entry: a miss, and left for that release
         except CorruptEntryError as exc:
             self._drop_corrupt(key, file, str(exc))
             return None
@@ -564,6 +566,8 @@ class DiskTier(Tier):
         for path, rel in tqdm(files, desc="promptstore: re-indexing", unit="entry", disable=None, leave=False):
             try:
                 entry = decode(np.fromfile(path, dtype=np.uint8))
+            except EntryVersionError:
+                continue  # another release's entry: not ours to index, not ours to delete
             except (OSError, CorruptEntryError, ValueError):
                 _unlink(path)
                 continue
@@ -597,12 +601,15 @@ class DiskTier(Tier):
         with self._lock:
             rows = self._conn().execute("SELECT key, file, kind, parent, size FROM entries" + where, args).fetchall()
         problems: list[str] = []
+        versions = {"newer": 0, "older": 0}
         for key, file, kind, parent, size in tqdm(rows, desc="promptstore: verifying", unit="entry",
                                                   disable=None, leave=False):
             try:
                 entry = decode(np.fromfile(self.entries_dir / file, dtype=np.uint8), expect_key=key)
                 if (entry.kind, entry.parent) != (kind, parent) or (self._sizeof is None and entry.size != size):
                     raise CorruptEntryError("file and index disagree on kind, parent or size")
+            except EntryVersionError as exc:
+                versions["newer" if exc.newer else "older"] += 1  # reported apart, never dropped
             except FileNotFoundError:
                 if self.contains(key) is not None:  # not merely evicted since the listing
                     problems.append(f"{key.hex()}: file {file} is missing")
@@ -611,7 +618,7 @@ class DiskTier(Tier):
                 problems.append(f"{key.hex()}: {exc}")
                 self._drop_corrupt(key, file, str(exc))
         if namespace is not None:  # the folder's totals are everyone's: only the administrator's view fixes them
-            return {"tier": self.name, "checked": len(rows), "problems": problems}
+            return {"tier": self.name, "checked": len(rows), "problems": problems, "other_versions": versions}
         with self._txn() as db:
             bad_children = db.execute(
                 "SELECT count(*) FROM entries p WHERE children != (SELECT count(*) FROM entries c WHERE c.parent = p.key)"
@@ -628,7 +635,7 @@ class DiskTier(Tier):
             over = used > self.budget
         if over:
             problems.append(f"{used} bytes stored over the {self.budget}-byte budget")
-        return {"tier": self.name, "checked": len(rows), "problems": problems}
+        return {"tier": self.name, "checked": len(rows), "problems": problems, "other_versions": versions}
 
     def gc(self, namespace: str | None = None) -> dict[str, Any]:
         now = self.clock()
@@ -657,7 +664,7 @@ class DiskTier(Tier):
                     _unlink(path)
                     temp_files += 1
                     freed += st.st_size
-            elif rel not in known and (dead or old):
+            elif rel not in known and (dead or old) and not _other_version(path):
                 # Renamed into place but its row never committed: the writer died in between.
                 # Check again under the lock, since a live writer may have committed since.
                 with self._lock:
@@ -693,6 +700,17 @@ class DiskTier(Tier):
                     self.flush()
                     self._db.close()
             self._db = None
+
+
+def _other_version(path: Path) -> bool:
+    """Whether a file is a well-formed entry of another format version (another release's, kept)."""
+    try:
+        decode(np.fromfile(path, dtype=np.uint8), verify=False)
+    except EntryVersionError:
+        return True
+    except (OSError, CorruptEntryError, ValueError):
+        return False
+    return False
 
 
 def _fsync_dir(path: Path) -> None:

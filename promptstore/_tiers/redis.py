@@ -33,7 +33,7 @@ import numpy as np
 
 from .._codec import decode
 from .._entry import Entry, EntryInfo
-from ..errors import ConfigError, CorruptEntryError, PromptStoreWarning, TierUnavailableError
+from ..errors import ConfigError, CorruptEntryError, EntryVersionError, PromptStoreWarning, TierUnavailableError
 from .base import Clock, SizeOf, Tier
 
 __all__ = ["RedisTier"]
@@ -331,6 +331,8 @@ class RedisTier(Tier):
                 return None  # evicted between the script and the read
             try:
                 entry = decode(blob, expect_key=key)
+            except EntryVersionError:
+                return None  # another release's entry: a miss, and left for that release
             except CorruptEntryError as exc:
                 warnings.warn(f"redis tier: dropped corrupt entry {hexkey[:16]}… ({exc})", PromptStoreWarning, stacklevel=5)
                 blob_key = payload if not int(inline) else self._r.hget(self._k("m:", hexkey), "blob")
@@ -364,8 +366,24 @@ class RedisTier(Tier):
                 return None
             try:
                 return decode(blob, expect_key=key)
+            except (CorruptEntryError, EntryVersionError):
+                return None
+
+        return self._call(run, None)
+
+    def _version_of(self, key: bytes) -> EntryVersionError | None:
+        """The version error of a stored entry of another format version, else None."""
+        def run() -> EntryVersionError | None:
+            f = self._r.hmget(self._k("m:", key.hex()), "blob", "len")
+            blob = self._read_chunks(f[0], int(f[1])) if f[0] is not None else None
+            try:
+                if blob is not None:
+                    decode(blob, expect_key=key, verify=False)
+            except EntryVersionError as exc:
+                return exc
             except CorruptEntryError:
                 return None
+            return None
 
         return self._call(run, None)
 
@@ -448,11 +466,14 @@ class RedisTier(Tier):
             return {"tier": self.name, "checked": 0, "problems": ["unreachable"]}
         present = {i.key for i in infos}
         mine = [i for i in infos if namespace is None or i.namespace == namespace]
+        versions = {"newer": 0, "older": 0}
         for info in mine:
             if info.parent is not None and info.parent not in present:
                 problems.append(f"{info.hex}: its parent is gone (orphaned chain block)")
             e = self.peek(info.key)
-            if e is None and self.contains(info.key) is not None:
+            if e is None and (other := self._version_of(info.key)) is not None:
+                versions["newer" if other.newer else "older"] += 1  # reported apart, never dropped
+            elif e is None and self.contains(info.key) is not None:
                 problems.append(f"{info.hex}: unreadable or corrupt")
                 self.delete(info.key)
         if namespace is None:  # the tier's totals are everyone's: only the administrator's view checks them
@@ -462,7 +483,7 @@ class RedisTier(Tier):
                 problems.append(f"byte count {stats['bytes']} != {used}")
             if used > self.budget:
                 problems.append(f"{used} bytes stored over the {self.budget}-byte budget")
-        return {"tier": self.name, "checked": len(mine), "problems": problems}
+        return {"tier": self.name, "checked": len(mine), "problems": problems, "other_versions": versions}
 
     def gc(self, namespace: str | None = None) -> dict[str, Any]:
         if namespace is None:
