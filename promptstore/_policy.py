@@ -1,9 +1,15 @@
 """The one eviction policy: cost-aware GreedyDual-Size-Frequency, prefix-aware, with TTL.
 
-priority = clock + hits * cost_s / size. The victim is the lowest-priority *leaf* (an entry
-no other entry chains from), so a KV prefix block is never evicted while a longer block
-built on it is kept; the clock then rises to the victim's priority, which ages everything
-that has not been hit since. Expired entries go first, whatever their priority.
+priority = clock + hits * max(cost_s, COST_FLOOR_S) / size. The victim is the lowest-priority
+*leaf* (an entry no other entry chains from), so a KV prefix block is never evicted while a
+longer block built on it is kept; the clock then rises to the victim's priority, which ages
+everything that has not been hit since. Expired entries go first, whatever their priority.
+
+Two rules make every tier decide alike (issue #11, tests/test_policy_differential.py):
+- a cost floor, so hits count even for entries stored with cost 0 (``import_npz`` stores
+  such), and every hit strictly raises an entry's priority;
+- one victim order, :func:`victim_order`: lowest priority, then least recently hit, then
+  key bytes.
 
 Every tier decides with this module: each keeps its entries in its own structure (a heap,
 an SQLite index, a Redis sorted set) behind :class:`EvictionIndex`, and this code picks.
@@ -15,12 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["priority", "Removed", "EvictionIndex", "make_room"]
+__all__ = ["priority", "victim_order", "COST_FLOOR_S", "Removed", "EvictionIndex", "make_room"]
+
+COST_FLOOR_S = 1e-6  # 1 µs: below any real recompute, above zero
 
 
 def priority(clock: float, hits: int, cost_s: float, size: int) -> float:
     """GDSF priority: the clock plus the seconds of work saved per byte, times the hits."""
-    return clock + hits * cost_s / max(size, 1)
+    return clock + hits * max(cost_s, COST_FLOOR_S) / max(size, 1)
+
+
+def victim_order(prio: float, last_hit: float, key: bytes) -> tuple[float, float, bytes]:
+    """The order leaves are evicted in: priority, then least recently hit, then key bytes."""
+    return prio, last_hit, key
 
 
 @dataclass(frozen=True)

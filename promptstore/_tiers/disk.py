@@ -221,8 +221,8 @@ class _SqlIndex:
         return [r[0] for r in self.db.execute("SELECT key FROM entries WHERE expires <= ?", (now,))]
 
     def lowest_leaf(self, exclude: bytes | None) -> tuple[bytes, float] | None:
-        row = self.db.execute(
-            "SELECT key, priority FROM entries WHERE children = 0 AND key != ? ORDER BY priority LIMIT 1",
+        row = self.db.execute(  # _policy.victim_order
+            "SELECT key, priority FROM entries WHERE children = 0 AND key != ? ORDER BY priority, last_hit, key LIMIT 1",
             (exclude or b"",),
         ).fetchone()
         return None if row is None else (row[0], row[1])
@@ -313,6 +313,9 @@ class DiskTier(Tier):
                     with contextlib.suppress(sqlite3.Error):
                         db.execute("ROLLBACK")
                     raise
+            # The victim order's index. Created on open, without a schema bump: a reader of
+            # schema 1 that lacks it still opens the folder (an extra index changes no row).
+            db.execute("CREATE INDEX IF NOT EXISTS entries_victims ON entries(priority, last_hit, key) WHERE children = 0")
         except BaseException:
             db.close()
             raise

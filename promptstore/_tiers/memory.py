@@ -46,7 +46,8 @@ class MemoryTier(Tier):
         self._recs: dict[bytes, _Rec] = {}
         # parent -> children present here, whether or not the parent itself is present.
         self._kids: dict[bytes, set[bytes]] = {}
-        self._heap: list[tuple[float, int, bytes]] = []
+        # (priority, last hit, key, seq): _policy.victim_order, then a validity token.
+        self._heap: list[tuple[float, float, bytes, int]] = []
         self._expiry: list[tuple[float, int, bytes]] = []
         self._seq = itertools.count()
         self._used = 0
@@ -76,17 +77,18 @@ class MemoryTier(Tier):
     def lowest_leaf(self, exclude: bytes | None) -> tuple[bytes, float] | None:
         skipped = None
         while self._heap:
-            prio, seq, key = heapq.heappop(self._heap)
+            item = heapq.heappop(self._heap)
+            prio, last_hit, key, seq = item
             rec = self._recs.get(key)
             if rec is None or rec.seq != seq or self._kids.get(key):
                 continue  # stale: removed, replaced, or no longer a leaf (pushed again if it becomes one)
-            if rec.prio > prio:
-                heapq.heappush(self._heap, (rec.prio, seq, key))
+            if (rec.prio, rec.last_hit) != (prio, last_hit):  # hit since: both only rise
+                heapq.heappush(self._heap, (*_policy.victim_order(rec.prio, rec.last_hit, key), seq))
                 continue
             if key == exclude:
-                skipped = (prio, seq, key)
+                skipped = item
                 continue
-            heapq.heappush(self._heap, (prio, seq, key))
+            heapq.heappush(self._heap, item)
             if skipped:
                 heapq.heappush(self._heap, skipped)
             return key, prio
@@ -121,9 +123,10 @@ class MemoryTier(Tier):
         if rec is None or self._kids.get(key):
             return
         rec.seq = next(self._seq)
-        heapq.heappush(self._heap, (rec.prio, rec.seq, key))
+        heapq.heappush(self._heap, (*_policy.victim_order(rec.prio, rec.last_hit, key), rec.seq))
         if len(self._heap) > 2 * len(self._recs) + 1024:
-            self._heap = [(r.prio, r.seq, k) for k, r in self._recs.items() if not self._kids.get(k)]
+            self._heap = [(*_policy.victim_order(r.prio, r.last_hit, k), r.seq) for k, r in self._recs.items()
+                          if not self._kids.get(k)]
             heapq.heapify(self._heap)
 
     def _touch(self, rec: _Rec, key: bytes, now: float) -> None:

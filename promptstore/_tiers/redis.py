@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from .. import _policy
 from .._codec import decode
 from .._entry import Entry, EntryInfo
 from ..errors import ConfigError, CorruptEntryError, EntryVersionError, PromptStoreWarning, TierUnavailableError
@@ -48,12 +49,35 @@ BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 # Shared by every script. The priority formula is _policy.priority; the victim loop is
 # _policy.make_room, here run inside Redis so that it is atomic across clients.
 _PRELUDE = r"""
+local COST_FLOOR = """ + repr(_policy.COST_FLOOR_S) + r"""
 local P = ARGV[1]
 local S = P .. "s"
 local function num(x) return tonumber(x) or 0 end
 local function fmt(x) return string.format("%.17g", x) end
 local function prio(hits, cost, size)
-  return num(redis.call("HGET", S, "clock")) + hits * cost / math.max(size, 1)
+  return num(redis.call("HGET", S, "clock")) + hits * math.max(cost, COST_FLOOR) / math.max(size, 1)
+end
+-- _policy.victim_order breaks priority ties by last hit, then key: among equal scores a
+-- sorted set orders members by their bytes, so a leaf's member is "<last hit>:<hex key>".
+local function leaf_del(hex)
+  local m = P .. "m:" .. hex
+  local leaf = redis.call("HGET", m, "leaf")
+  redis.call("ZREM", P .. "leaves", leaf or hex)
+  if leaf then redis.call("HDEL", m, "leaf") end
+end
+local function leaf_add(hex)
+  local m = P .. "m:" .. hex
+  local f = redis.call("HMGET", m, "prio", "last_hit")
+  if not f[1] then return end
+  leaf_del(hex)
+  local member = string.format("%020.6f", num(f[2])) .. ":" .. hex
+  redis.call("ZADD", P .. "leaves", f[1], member)
+  redis.call("HSET", m, "leaf", member)
+end
+local function leaf_hex(member)
+  local at = string.find(member, ":", 1, true)
+  if at then return string.sub(member, at + 1) end
+  return member
 end
 local function remove_tree(hex, removed)
   local stack = {hex}
@@ -64,18 +88,15 @@ local function remove_tree(hex, removed)
     local f = redis.call("HMGET", m, "size", "blob", "parent")
     redis.call("DEL", P .. "k:" .. h)
     if f[1] then
+      leaf_del(h)
       redis.call("DEL", m, f[2])
-      redis.call("ZREM", P .. "leaves", h)
       redis.call("ZREM", P .. "expiry", h)
       redis.call("HINCRBY", S, "used", -num(f[1]))
       redis.call("HINCRBY", S, "count", -1)
       local parent = f[3]
       if parent and parent ~= "" then
         redis.call("SREM", P .. "k:" .. parent, h)
-        if redis.call("SCARD", P .. "k:" .. parent) == 0 then
-          local pp = redis.call("HGET", P .. "m:" .. parent, "prio")
-          if pp then redis.call("ZADD", P .. "leaves", pp, parent) end
-        end
+        if redis.call("SCARD", P .. "k:" .. parent) == 0 then leaf_add(parent) end
       end
       table.insert(removed, h)
     end
@@ -91,7 +112,8 @@ local function make_room(budget, now, protect)
       local cand = redis.call("ZRANGE", P .. "leaves", 0, 1, "WITHSCORES")
       local victim, vp = nil, nil
       for i = 1, #cand, 2 do
-        if cand[i] ~= exclude then victim = cand[i]; vp = tonumber(cand[i + 1]); break end
+        local h = leaf_hex(cand[i])
+        if h ~= exclude then victim = h; vp = tonumber(cand[i + 1]); break end
       end
       if not victim then break end
       if vp > num(redis.call("HGET", S, "clock")) then redis.call("HSET", S, "clock", fmt(vp)) end
@@ -124,10 +146,7 @@ if old[2] then
   redis.call("HINCRBY", S, "count", -1)
   if old[3] and old[3] ~= "" and old[3] ~= parent then
     redis.call("SREM", P .. "k:" .. old[3], hex)
-    if redis.call("SCARD", P .. "k:" .. old[3]) == 0 then
-      local pp = redis.call("HGET", P .. "m:" .. old[3], "prio")
-      if pp then redis.call("ZADD", P .. "leaves", pp, old[3]) end
-    end
+    if redis.call("SCARD", P .. "k:" .. old[3]) == 0 then leaf_add(old[3]) end
   end
 end
 redis.call("RENAME", staging, blob)
@@ -142,10 +161,9 @@ redis.call("HINCRBY", S, "used", size)
 redis.call("HINCRBY", S, "count", 1)
 if parent ~= "" then
   redis.call("SADD", P .. "k:" .. parent, hex)
-  redis.call("ZREM", P .. "leaves", parent)
+  leaf_del(parent)
 end
-if redis.call("SCARD", P .. "k:" .. hex) == 0 then redis.call("ZADD", P .. "leaves", fmt(p), hex)
-else redis.call("ZREM", P .. "leaves", hex) end
+if redis.call("SCARD", P .. "k:" .. hex) == 0 then leaf_add(hex) else leaf_del(hex) end
 if expires ~= "" then
   redis.call("ZADD", P .. "expiry", expires, hex)
   -- Relative to Redis's own clock: hosts' clocks may disagree, Redis's is the one that expires.
@@ -176,7 +194,7 @@ end
 local size, hits, cost = num(f[2]), num(f[5]) + 1, num(f[6])
 local p = prio(hits, cost, size)
 redis.call("HSET", m, "hits", hits, "last_hit", fmt(now), "prio", fmt(p))
-if redis.call("SCARD", P .. "k:" .. hex) == 0 then redis.call("ZADD", P .. "leaves", fmt(p), hex) end
+if redis.call("SCARD", P .. "k:" .. hex) == 0 then leaf_add(hex) end
 if f[3] and f[3] ~= "" then
   local expires = now + num(f[3])
   redis.call("HSET", m, "expires", fmt(expires))
