@@ -45,8 +45,7 @@ def test_hidden_bytes_between_tensors_are_refused_even_under_a_valid_checksum():
     data = blob[8 + hlen :]
     md = header.pop("__metadata__")
     # Move tensor "b" 8 bytes further and put 8 hidden bytes in the gap.
-    (a0, a1), (b0, b1) = header["a"]["data_offsets"], header["b"]["data_offsets"]
-    first, second = ("a", "b") if a0 < b0 else ("b", "a")
+    first, second = sorted(("a", "b"), key=lambda n: header[n]["data_offsets"][0])
     f0, f1 = header[first]["data_offsets"]
     s0, s1 = header[second]["data_offsets"]
     header[second]["data_offsets"] = [s0 + 8, s1 + 8]
