@@ -43,7 +43,7 @@ def _member(key_hex: str) -> str:
     return f"entries/{key_hex}.safetensors"
 
 
-def _select(store: PromptStore, keys: Iterable[Any] | None, kind: str | None) -> list[bytes]:
+def _select(store: PromptStore, keys: Iterable[Any] | None, kind: str | None) -> tuple[list[bytes], dict[bytes, int]]:
     infos = {i.key: i for i in store.ls()}
     if keys is None:
         chosen = [k for k, i in infos.items() if kind is None or i.kind == kind]
@@ -65,7 +65,7 @@ def _select(store: PromptStore, keys: Iterable[Any] | None, kind: str | None) ->
         while node is not None and node in infos and node not in selected:
             selected[node] = depth(node)
             node = infos[node].parent
-    return sorted(selected, key=lambda k: (selected[k], k))
+    return sorted(selected, key=lambda k: (selected[k], k)), {k: infos[k].hits for k in selected}
 
 
 def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterable[Any] | None = None,
@@ -74,7 +74,7 @@ def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterab
     if not isinstance(path, (str, os.PathLike)) or Path(path).name in ("", "..") or Path(path).is_dir():
         raise InvalidInputError(f"a bundle path must name a file, got {path!r}")
     path = Path(path)
-    order = _select(store, keys, kind)
+    order, hits = _select(store, keys, kind)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
     manifest: list[dict[str, Any]] = []
     try:
@@ -91,7 +91,7 @@ def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterab
                 manifest.append({
                     "key": entry.hex, "kind": entry.kind, "namespace": entry.namespace,
                     "parent": entry.parent.hex() if entry.parent else None, "size": data.nbytes,
-                    "xxh3_128": xxhash.xxh3_128_hexdigest(data),
+                    "xxh3_128": xxhash.xxh3_128_hexdigest(data), "hits": hits.get(key, 1),
                 })
             body = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "created": time.time(), "entries": manifest}
             zf.writestr(zipfile.ZipInfo(MANIFEST, date_time=_FIXED_TIME), json.dumps(body, indent=1))
@@ -136,6 +136,9 @@ def _manifest(zf: zipfile.ZipFile) -> list[dict[str, Any]]:
             raise BundleError(f"malformed manifest entry {e!r}: {exc}") from None
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
             raise BundleError(f"malformed manifest entry {e!r}")
+        hits = e.get("hits", 1)  # bundles written before hits travelled have none
+        if not isinstance(hits, int) or isinstance(hits, bool) or not 0 <= hits < 2**62:
+            raise BundleError(f"malformed hit count in manifest entry {e!r}")
         if key_hex in seen:
             raise BundleError(f"key {key_hex} appears twice in the manifest")
         seen.add(key_hex)
@@ -183,7 +186,12 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
                     f"namespace {store.namespace!r}"
                 )
         persistent = [t for t in store.tiers if t.name != "memory"] or list(store.tiers)
+        # Hits travel with the entries and merge with what is already stored (the larger
+        # count: a re-import of the same entries neither resets nor doubles them).
+        held = {i.key: i.hits for i in store.ls()}
         n = 0
         for item in tqdm(entries, desc="promptstore: importing", unit="entry", disable=None, leave=False):
-            n += store._put_entry(_read_entry(zf, item), persistent)
+            entry = _read_entry(zf, item)
+            entry.hits = max(item.get("hits", 1), held.get(entry.key, 0))
+            n += store._put_entry(entry, persistent)
     return n

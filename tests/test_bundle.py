@@ -189,3 +189,21 @@ def test_export_to_a_path_that_names_no_file(tmp_path, filled, where, monkeypatc
     with pytest.raises(InvalidInputError, match="must name a file"):
         src.export_bundle(where)
     assert not list(tmp_path.rglob("*.partial"))  # this test's folder only: others may be writing beside it
+
+
+@pytest.mark.parametrize("memory", ["16MiB", 0])
+def test_hits_travel_with_a_bundle_and_merge_on_reimport(tmp_path, memory):
+    """Issue #11: re-importing reset 4 hits to 1. Now they travel, and merge with the larger count."""
+    with PromptStore(tmp_path / "a", memory_bytes=memory) as a:
+        key = a.key("t", "hot")
+        a.put(key, {"x": np.ones(4, np.float32)}, kind="t", cost_s=0.25)
+        for _ in range(3):
+            a.get(key)
+        assert {i.hits for i in a.ls()} == {4}
+        a.export_bundle(tmp_path / "b.zip")
+        a.import_bundle(tmp_path / "b.zip")
+        assert max(i.hits for i in a.ls()) == 4  # neither reset nor doubled
+    with PromptStore(tmp_path / "elsewhere", memory_bytes=memory) as b:
+        b.import_bundle(tmp_path / "b.zip")
+        (info,) = b.ls()
+        assert info.hits == 4 and info.cost_s == 0.25

@@ -494,12 +494,13 @@ class DiskTier(Tier):
                 if old is not None:
                     db.execute("DELETE FROM entries WHERE key = ?", (key,))
                 ttl = entry.ttl_s
+                hits = max(1, entry.hits)  # hits carried in (a promotion, a bundle) count here too
                 db.execute(
                     "INSERT INTO entries (key, file, kind, namespace, parent, size, cost, hits, created, "
-                    "last_hit, ttl, expires, priority) VALUES (?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, "
-                    "gdsf((SELECT value FROM settings WHERE name = 'clock'), 1, ?, ?))",
-                    (key, file, entry.kind, entry.namespace, entry.parent, size, entry.cost_s, now, now,
-                     ttl, None if ttl is None else now + ttl, entry.cost_s, size),
+                    "last_hit, ttl, expires, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                    "gdsf((SELECT value FROM settings WHERE name = 'clock'), ?, ?, ?))",
+                    (key, file, entry.kind, entry.namespace, entry.parent, size, entry.cost_s, hits, now, now,
+                     ttl, None if ttl is None else now + ttl, hits, entry.cost_s, size),
                 )
                 removed = _policy.make_room(_SqlIndex(db), self.budget, now=now, protect=key)
                 self._count_removed(db, removed)

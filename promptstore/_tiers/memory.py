@@ -22,7 +22,7 @@ class _Rec:
     def __init__(self, entry: Entry, size: int, now: float, seq: int) -> None:
         self.entry = entry
         self.size = size
-        self.hits = 1
+        self.hits = max(1, entry.hits)  # hits carried in (a promotion, a bundle) count here too
         self.prio = 0.0
         self.seq = seq
         self.created = now

@@ -126,7 +126,7 @@ local function make_room(budget, now, protect)
 end
 """
 
-# ARGV: prefix, hex, blob_key, staging_key, size, cost, kind, namespace, parent, ttl, now, budget, grace, length
+# ARGV: prefix, hex, blob_key, staging_key, size, cost, kind, namespace, parent, ttl, now, budget, grace, length, hits
 _COMMIT = _PRELUDE + r"""
 local hex, blob, staging = ARGV[2], ARGV[3], ARGV[4]
 local size, cost, now, budget = num(ARGV[5]), num(ARGV[6]), num(ARGV[11]), num(ARGV[12])
@@ -151,10 +151,11 @@ if old[2] then
 end
 redis.call("RENAME", staging, blob)
 redis.call("PERSIST", blob)
-local p = prio(1, cost, size)
+local hits = math.max(1, num(ARGV[15]))  -- hits carried in (a promotion, a bundle) count here too
+local p = prio(hits, cost, size)
 local expires = ""
 if ttl ~= "" then expires = fmt(now + num(ttl)) end
-redis.call("HSET", m, "size", size, "cost", fmt(cost), "hits", 1, "created", fmt(now), "last_hit", fmt(now),
+redis.call("HSET", m, "size", size, "cost", fmt(cost), "hits", hits, "created", fmt(now), "last_hit", fmt(now),
   "ttl", ttl, "expires", expires, "parent", parent, "kind", kind, "ns", ns, "blob", blob, "prio", fmt(p),
   "len", ARGV[14])
 redis.call("HINCRBY", S, "used", size)
@@ -425,7 +426,7 @@ class RedisTier(Tier):
             kept, evicted, _ = self._scripts["commit"](args=[
                 self.prefix, hexkey, blob_key, staging, size, repr(entry.cost_s), entry.kind, entry.namespace,
                 entry.parent.hex() if entry.parent else "", ttl, repr(self.clock()), self.budget, EXPIRY_GRACE_S,
-                data.nbytes])
+                data.nbytes, max(1, entry.hits)])
             self.evictions += int(evicted)
             return int(kept) == 1
 
