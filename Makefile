@@ -32,7 +32,9 @@ redis-server:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } || { \
 	  echo "redis-server is needed by the tests: install it (Debian/Ubuntu: apt-get install redis-server)"; exit 1; }
 
+# The type checker first (strict on the core, which ships py.typed), then the suite.
 test: $(VENV)/.installed redis-server
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 test-long: $(VENV)/.installed redis-server

@@ -8,7 +8,7 @@
 Needs the ``llm`` extra: ``pip install "promptstore[llm]"``.
 """
 
-from ._model import load_model
+from ._model import load_model, models_dir
 from ._prefix import PrefixCache
 
-__all__ = ["PrefixCache", "load_model"]
+__all__ = ["PrefixCache", "load_model", "models_dir"]

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from promptstore import file_digest
-from promptstore._store import default_path
 from promptstore.errors import ModelUnavailableError
 
-__all__ = ["load_model", "MODELS"]
+__all__ = ["load_model", "models_dir", "MODELS"]
 
 # name -> (python package holding the file, file name, the command that installs it)
 MODELS = {
@@ -58,6 +57,20 @@ def _convert(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def models_dir() -> Path:
+    """Where converted models live: ``$PROMPTSTORE_MODELS_DIR``, else one folder per user and machine.
+
+    Kept apart from every store folder, so stores in several ``PROMPTSTORE_DIR`` folders share
+    one converted copy (SmolLM2: 517 MB) instead of converting their own.
+    """
+    env = os.environ.get("PROMPTSTORE_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("promptstore-models", appauthor=False))
+
+
 def load_model(
     name: str = "smollm2-135m-instruct",
     dtype: Any = None,
@@ -68,8 +81,7 @@ def load_model(
     """Load a model and its tokenizer offline.
 
     The first call converts the GGUF into a safetensors copy in ``cache_dir`` (default:
-    ``models/`` in the default store folder), keyed by the GGUF file's digest; later calls
-    load that copy in well under a second.
+    :func:`models_dir`), keyed by the GGUF file's digest; later calls load that copy.
 
     Args:
         name: ``"smollm2-135m-instruct"``.
@@ -88,7 +100,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path(name)
-    root = Path(cache_dir) if cache_dir is not None else default_path() / "models"
+    root = Path(cache_dir) if cache_dir is not None else models_dir()
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{name}-{file_digest(gguf)[:16]}"
     if not (target / "config.json").exists():

@@ -19,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from promptstore import PromptStore, chain_keys
-from promptstore._entry import Entry
+from promptstore import Entry, PromptStore, chain_keys
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._fingerprint import architecture, model_fingerprint, tokenizer_fingerprint

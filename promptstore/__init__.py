@@ -21,12 +21,13 @@ from ._digest import digest_tensors, file_digest
 from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
-from ._store import PromptStore
+from ._store import PromptStore, default_path
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PromptStore",
+    "default_path",
     "Entry",
     "EntryInfo",
     "make_key",

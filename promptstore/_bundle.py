@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ._codec import decode
 from ._entry import Entry
 from ._keys import coerce_key
-from .errors import BundleError, CorruptEntryError, FormatVersionError, InvalidInputError, InvalidKeyError
+from .errors import BundleError, CorruptEntryError, EntryVersionError, FormatVersionError, InvalidInputError, InvalidKeyError
 
 if TYPE_CHECKING:
     from ._store import PromptStore
@@ -102,12 +102,12 @@ def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterab
     return len(manifest)
 
 
-def _manifest(zf: zipfile.ZipFile) -> list[dict[str, Any]]:
+def _manifest(zf: zipfile.ZipFile, limit: int) -> list[dict[str, Any]]:
     try:
         info = zf.getinfo(MANIFEST)
     except KeyError:
         raise BundleError("not a promptstore bundle: no manifest.json") from None
-    if info.file_size > MAX_MANIFEST_BYTES or info.file_size > zf.fp_size or info.compress_type != zipfile.ZIP_STORED:
+    if info.file_size > MAX_MANIFEST_BYTES or info.file_size > limit or info.compress_type != zipfile.ZIP_STORED:
         # We write it stored. A compressed manifest whose header lies about its size would be
         # inflated whole before zipfile truncates it (bzip2/LZMA have no output bound): a bomb.
         raise BundleError("manifest.json is implausibly large or compressed")
@@ -145,13 +145,13 @@ def _manifest(zf: zipfile.ZipFile) -> list[dict[str, Any]]:
     return entries
 
 
-def _read_entry(zf: zipfile.ZipFile, item: dict[str, Any]) -> Entry:
+def _read_entry(zf: zipfile.ZipFile, item: dict[str, Any], limit: int) -> Entry:
     name = _member(item["key"])
     try:
         info = zf.getinfo(name)
     except KeyError:
         raise BundleError(f"entry {item['key'][:16]}… is listed but missing") from None
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != item["size"] or info.file_size > zf.fp_size:
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != item["size"] or info.file_size > limit:
         # Stored, never compressed, and no bigger than the bundle file: a lying header
         # cannot make the import allocate more memory than the bundle's own size.
         raise BundleError(f"entry {item['key'][:16]}… has the wrong size or compression")
@@ -163,6 +163,10 @@ def _read_entry(zf: zipfile.ZipFile, item: dict[str, Any]) -> Entry:
         raise BundleError(f"entry {item['key'][:16]}… fails its manifest checksum")
     try:
         entry = decode(data, expect_key=bytes.fromhex(item["key"]))
+    except EntryVersionError as exc:
+        if exc.newer:
+            raise FormatVersionError(f"entry {item['key'][:16]}… has {exc}: upgrade promptstore") from None
+        raise BundleError(f"entry {item['key'][:16]}… has {exc}, which this promptstore does not read") from None
     except CorruptEntryError as exc:
         raise BundleError(f"entry {item['key'][:16]}… is corrupt: {exc}") from None
     return entry
@@ -175,23 +179,23 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - zipfile also raises NotImplementedError, struct.error... (fuzzing found them)
         raise BundleError(f"{path} is not a readable bundle: {type(exc).__name__}: {exc}") from None
     with zf:
-        zf.fp_size = os.path.getsize(path)  # type: ignore[attr-defined]
-        entries = _manifest(zf)
+        limit = os.path.getsize(path)  # no member may claim more bytes than the bundle holds
+        entries = _manifest(zf, limit)
         # Pass 1 verifies everything and keeps nothing in memory; pass 2 stores.
         for item in tqdm(entries, desc="promptstore: verifying bundle", unit="entry", disable=None, leave=False):
-            entry = _read_entry(zf, item)
+            entry = _read_entry(zf, item, limit)
             if entry.namespace != store.namespace:
                 raise BundleError(
                     f"bundle holds entries of namespace {entry.namespace!r}; this store is "
                     f"namespace {store.namespace!r}"
                 )
-        persistent = [t for t in store.tiers if t.name != "memory"] or list(store.tiers)
+        persistent = [t for t in store.tiers if t.persistent] or list(store.tiers)
         # Hits travel with the entries and merge with what is already stored (the larger
         # count: a re-import of the same entries neither resets nor doubles them).
         held = {i.key: i.hits for i in store.ls()}
         n = 0
         for item in tqdm(entries, desc="promptstore: importing", unit="entry", disable=None, leave=False):
-            entry = _read_entry(zf, item)
+            entry = _read_entry(zf, item, limit)
             entry.hits = max(item.get("hits", 1), held.get(entry.key, 0))
             n += store._put_entry(entry, persistent)
     return n

@@ -199,7 +199,8 @@ def _corrupt(msg: str) -> CorruptEntryError:
     return CorruptEntryError(msg)
 
 
-def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = None, verify: bool = True) -> Entry:
+def decode(buf: bytes | bytearray | memoryview | np.ndarray[Any, Any], *, expect_key: bytes | None = None,
+           verify: bool = True) -> Entry:
     """Decode one entry from its bytes; arrays are read-only views of ``buf``.
 
     Raises:
@@ -207,7 +208,7 @@ def decode(buf: bytes | bytearray | memoryview, *, expect_key: bytes | None = No
         EntryVersionError: a well-formed entry of another format version (checked before its checksum,
             whose definition may differ between versions).
     """
-    view = memoryview(buf)
+    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
     total = view.nbytes
     if total < 8:
         raise _corrupt(f"{total} bytes is too short for an entry")

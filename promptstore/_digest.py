@@ -86,7 +86,8 @@ def device_word_digest(torch: Any, flat: Any) -> np.ndarray:
         b = i * -4658895280553007687 + 1442695040888963407  # 0xBF58476D1CE4E5B9, Knuth's LCG increment
         sums[0] += (x * (a | 1)).sum()  # int64 products and sums wrap: arithmetic mod 2**64
         sums[1] += ((x ^ (x << 17)) * (b | 1)).sum()
-    return sums.cpu().numpy().view(np.uint8)
+    out: np.ndarray = sums.cpu().numpy().view(np.uint8)
+    return out
 
 
 def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
@@ -113,5 +114,5 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
         seen[ident] = name
         _frame(h, f"{dtype}{shape}".encode())
         h.update(data.size.to_bytes(8, "little"))
-        h.update(data)
+        h.update(data.data)
     return h.hexdigest()

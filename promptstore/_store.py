@@ -213,8 +213,8 @@ class PromptStore:
         the root, and deleting a root takes everything below it. The memory tier just
         skips an entry whose parent it lacks; a persistent tier copies the ancestors.
         """
-        if tier.name == "memory":
-            return self._guard(tier, "contains", tier.contains, parent) == self.namespace
+        if not tier.persistent:
+            return bool(self._guard(tier, "contains", tier.contains, parent) == self.namespace)
         return self._complete_chain(tier, parent)
 
     def _complete_chain(self, tier: Tier, parent: bytes) -> bool:
@@ -326,7 +326,7 @@ class PromptStore:
 
     def _peek(self, key: bytes) -> Entry | None:
         for tier in self._tiers:
-            entry = self._guard(tier, "peek", tier.peek, key)
+            entry: Entry | None = self._guard(tier, "peek", tier.peek, key)
             if entry is not None:
                 return entry
         return None

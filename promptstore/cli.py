@@ -30,6 +30,11 @@ def _common(parser: argparse.ArgumentParser, suppress: bool) -> None:
                         help="print JSON instead of text")
 
 
+def open_store(args: argparse.Namespace, create: bool = False) -> PromptStore:
+    """The store the common options (--dir, --namespace, --redis-url...) name, for adapter commands."""
+    return _open(args, create)
+
+
 def _open(args: argparse.Namespace, create: bool = False) -> PromptStore:
     path = Path(args.dir).expanduser() if args.dir else default_path()
     if not create and not path.is_dir():
@@ -76,7 +81,7 @@ def _cmd_stats(args: argparse.Namespace) -> tuple[Any, str, int]:
 def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
         infos = store.ls(kind=args.kind, all_namespaces=args.all_namespaces)[: args.limit or None]
-    rows = [{"key": i.hex, "kind": i.kind, "size": i.size, "cost_s": i.cost_s, "hits": i.hits,
+    rows: list[dict[str, Any]] = [{"key": i.hex, "kind": i.kind, "size": i.size, "cost_s": i.cost_s, "hits": i.hits,
              "created": i.created, "last_hit": i.last_hit, "parent": i.parent.hex() if i.parent else None,
              "expires": i.expires, "namespace": i.namespace} for i in infos]
     lines = [f"{'key':<18}{'kind':<16}{'size':>11}{'cost':>9}{'hits':>7}  last hit"]
@@ -96,7 +101,7 @@ def _cmd_verify(args: argparse.Namespace) -> tuple[Any, str, int]:
 def _cmd_gc(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
         report = store.gc(all_namespaces=args.all_namespaces)
-    disk = next((r for r in report["tiers"] if r.get("tier") == "disk"), {})
+    disk: dict[str, Any] = next((r for r in report["tiers"] if r.get("tier") == "disk"), {})
     text = (f"expired {disk.get('expired', 0)}, evicted {disk.get('evicted', 0)}, temp files "
             f"{disk.get('temp_files', 0)}, orphan files {disk.get('orphan_files', 0)}, missing "
             f"{disk.get('missing_files', 0)}; freed {format_size(disk.get('freed_bytes', 0))}")
@@ -117,7 +122,7 @@ def _cmd_import(args: argparse.Namespace) -> tuple[Any, str, int]:
 
 
 Command = Callable[[argparse.Namespace], "tuple[Any, str, int]"]
-# Adapters add their own commands here (e.g. ``warm-classes`` from promptstore.vision).
+# Adapters' commands: from entry points (see _load_adapter_commands), or registered here directly.
 EXTRA_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Command]] = {}
 
 
@@ -165,12 +170,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"promptstore: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(data, indent=1, default=str) if args.json else text)
-    return code
+    return int(code)
+
+
+COMMANDS_GROUP = "promptstore.commands"
 
 
 def _load_adapter_commands() -> None:
-    # The vision adapter registers `warm-classes`; importing it is cheap (torch is lazy).
-    try:
-        import promptstore.vision  # noqa: F401
-    except ImportError:
-        pass
+    """Commands that adapters declare as entry points (``promptstore.commands``), e.g. ``warm-classes``.
+
+    The core never imports an adapter: an adapter whose extra is not installed fails to load
+    and its command is simply absent.
+    """
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if ep.name in EXTRA_COMMANDS:
+            continue
+        try:
+            EXTRA_COMMANDS[ep.name] = ep.load()
+        except ImportError:
+            continue

@@ -195,7 +195,7 @@ def test_wrong_key_is_corrupt():
 def test_random_bytes_never_crash(data):
     try:
         decode(data)
-    except CorruptEntryError:
+    except (CorruptEntryError, EntryVersionError):
         pass
 
 
@@ -209,7 +209,7 @@ def test_header_mutations_never_crash(data):
         blob[pos] = data.draw(st.integers(0, 255))
     try:
         e = decode(bytes(blob))
-    except CorruptEntryError:
+    except (CorruptEntryError, EntryVersionError):  # a mutated version digit: another release's entry, a miss
         return
     # Only a mutation the JSON parser ignores (whitespace in the padding) may still decode,
     # and then to exactly the same entry: names, dtypes, shapes, bytes and metadata.

@@ -26,5 +26,3 @@ __all__ = [
     "visual_pe",
     "VisualReport",
 ]
-
-from . import _cli  # noqa: E402,F401  (registers `promptstore warm-classes`)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from promptstore.cli import EXTRA_COMMANDS, _open
+from promptstore.cli import open_store
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes, check_names, set_classes
@@ -58,7 +58,7 @@ def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
     encoder = parse_encoder(args.encoder, args.seed)
     encoder.batch = args.batch  # type: ignore[attr-defined]
     t0 = time.perf_counter()
-    with _open(args, create=True) as store:
+    with open_store(args, create=True) as store:
         if args.detector:
             from ultralytics import YOLOE
 
@@ -81,4 +81,5 @@ def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
     return data, f"{len(names)} names: {encoded} encoded, {hits} already in the store ({seconds:.1f} s)", 0
 
 
-EXTRA_COMMANDS["warm-classes"] = ("encode a vocabulary's class names into the store", _configure, _run)
+# Declared in pyproject.toml under [project.entry-points."promptstore.commands"].
+COMMAND = ("encode a vocabulary's class names into the store", _configure, _run)

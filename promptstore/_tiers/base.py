@@ -27,6 +27,9 @@ class Tier(ABC):
     """
 
     name: str = "tier"
+    #: Whether entries outlive the process (disk, Redis). A persistent tier keeps only chains it
+    #: can walk from the root in a later process, so the store copies missing ancestors into it.
+    persistent: bool = True
 
     def __init__(self, budget: int, *, clock: Clock = time.time, sizeof: SizeOf | None = None) -> None:
         self.budget = int(budget)

@@ -186,8 +186,7 @@ def check_folder(root: Path) -> None:
             )
         # Layout 1 is the first; older layouts, when there are some, are migrated here.
         return
-    # "models" holds converted model copies (promptstore.llm.load_model) beside a store.
-    foreign = [p.name for p in root.iterdir() if not p.name.startswith("." + VERSION_FILE) and p.name != "models"]
+    foreign = [p.name for p in root.iterdir() if not p.name.startswith("." + VERSION_FILE)]
     if foreign:
         raise StorePathError(
             f"{root} is not empty and is not a promptstore folder (found {foreign[:3]}); "
@@ -391,7 +390,7 @@ class DiskTier(Tier):
                 size = os.fstat(f.fileno()).st_size
                 # np.empty skips the zero-fill a bytearray would do: one pass less over the bytes.
                 buf = np.empty(size, dtype=np.uint8)
-                view = memoryview(buf)
+                view = buf.data
                 got = 0
                 while got < size:
                     n = f.readinto(view[got:])

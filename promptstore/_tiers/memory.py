@@ -39,6 +39,7 @@ class MemoryTier(Tier):
     """
 
     name = "memory"
+    persistent = False
 
     def __init__(self, budget: int, *, clock: Clock = time.time, sizeof: SizeOf | None = None) -> None:
         super().__init__(budget, clock=clock, sizeof=sizeof)

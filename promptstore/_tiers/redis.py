@@ -25,8 +25,8 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
@@ -38,6 +38,8 @@ from ..errors import ConfigError, CorruptEntryError, EntryVersionError, PromptSt
 from .base import Clock, SizeOf, Tier
 
 __all__ = ["RedisTier"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("promptstore")
 CHUNK = 1 << 20
@@ -311,7 +313,7 @@ class RedisTier(Tier):
             warnings.warn(f"redis tier at {self.url_display} is unreachable ({type(exc).__name__}: {exc}); serving from "
                           "the local tiers and retrying with backoff", PromptStoreWarning, stacklevel=4)
 
-    def _call(self, fn: Any, default: Any) -> Any:
+    def _call(self, fn: Callable[[], _T], default: _T) -> _T:
         """Run ``fn`` unless the server is known down; a connection fault is a miss, not an error."""
         if self._down_until and time.monotonic() < self._down_until:
             return default
@@ -433,7 +435,8 @@ class RedisTier(Tier):
         return bool(self._call(run, False))
 
     def delete(self, key: bytes) -> list[bytes]:
-        removed = self._call(lambda: self._scripts["delete"](args=[self.prefix, key.hex()]), [])
+        empty: list[bytes] = []
+        removed = self._call(lambda: self._scripts["delete"](args=[self.prefix, key.hex()]), empty)
         return [bytes.fromhex(h.decode()) for h in removed]
 
     def contains(self, key: bytes) -> str | None:
@@ -459,7 +462,8 @@ class RedisTier(Tier):
                                      float(m[b"expires"]) if m[b"expires"] else None, m[b"ns"].decode(), self.name))
             return out
 
-        yield from self._call(run, [])
+        none: list[EntryInfo] = []
+        yield from self._call(run, none)
 
     def usage(self) -> dict[str, Any]:
         def run() -> dict[str, Any]:

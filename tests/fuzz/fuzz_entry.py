@@ -15,7 +15,7 @@ import atheris
 with atheris.instrument_imports():
     from promptstore import PromptStore
     from promptstore._codec import decode
-    from promptstore.errors import BundleError, CorruptEntryError, FormatVersionError
+    from promptstore.errors import BundleError, CorruptEntryError, EntryVersionError, FormatVersionError
 
 WORK = tempfile.mkdtemp(prefix="ps-fuzz-")
 STORE = PromptStore(os.path.join(WORK, "store"), memory_bytes=0, disk_bytes="64MiB")
@@ -35,7 +35,7 @@ def one_input(data: bytes) -> None:
     else:
         try:
             decode(body)
-        except CorruptEntryError:
+        except (CorruptEntryError, EntryVersionError):
             pass
 
 
