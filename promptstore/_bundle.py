@@ -80,7 +80,7 @@ def export_bundle(store: PromptStore, path: str | os.PathLike[str], keys: Iterab
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
             for key in tqdm(order, desc="promptstore: exporting", unit="entry", disable=None, leave=False):
-                entry = store._peek(key)
+                entry = store.peek(key)
                 if entry is None:
                     continue  # evicted since it was listed
                 data = memoryview(entry.blob).cast("B")
@@ -189,7 +189,6 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
                     f"bundle holds entries of namespace {entry.namespace!r}; this store is "
                     f"namespace {store.namespace!r}"
                 )
-        persistent = [t for t in store.tiers if t.persistent] or list(store.tiers)
         # Hits travel with the entries and merge with what is already stored (the larger
         # count: a re-import of the same entries neither resets nor doubles them).
         held = {i.key: i.hits for i in store.ls()}
@@ -197,5 +196,5 @@ def import_bundle(store: PromptStore, path: str | os.PathLike[str]) -> int:
         for item in tqdm(entries, desc="promptstore: importing", unit="entry", disable=None, leave=False):
             entry = _read_entry(zf, item, limit)
             entry.hits = max(item.get("hits", 1), held.get(entry.key, 0))
-            n += store._put_entry(entry, persistent)
+            n += store.put_entry(entry, persistent_only=True)
     return n

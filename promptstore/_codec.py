@@ -29,7 +29,7 @@ from ._entry import Entry
 from ._keys import coerce_key
 from .errors import CorruptEntryError, EntryVersionError, InvalidEntryError, UnsupportedDtypeError
 
-__all__ = ["ENTRY_VERSION", "encode", "decode", "prepare"]
+__all__ = ["ENTRY_VERSION", "encode", "build", "decode", "prepare"]
 
 ENTRY_VERSION = 2
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -152,6 +152,34 @@ def prepare(
 
 def encode(prepared: dict[str, Any]) -> np.ndarray:
     """Encode a :func:`prepare` result into the bytes of one safetensors file (a uint8 array)."""
+    return _encode(prepared)[0]
+
+
+def build(prepared: dict[str, Any]) -> Entry:
+    """Encode a :func:`prepare` result and return its :class:`Entry` directly.
+
+    The tensors are read-only views of the encoded bytes, exactly as :func:`decode` would
+    give them, without parsing back the header that was just written.
+    """
+    buf, header, start = _encode(prepared)
+    tensors: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for name in sorted(n for n in header if n != "__metadata__"):
+        info = header[name]
+        b, e = info["data_offsets"]
+        dtype = _ST_TO_NP[info["dtype"]]
+        arr = (np.frombuffer(buf, dtype=dtype, count=(e - b) // dtype.itemsize, offset=start + b) if e > b
+               else np.empty(0, dtype=dtype)).reshape(tuple(info["shape"]))
+        arr.flags.writeable = False
+        tensors[name], dtypes[name] = arr, info["dtype"]
+    return Entry(
+        key=prepared["key"], kind=prepared["kind"], tensors=tensors, dtypes=dtypes, meta=dict(prepared["meta"]),
+        parent=prepared["parent"], cost_s=prepared["cost_s"], size=int(buf.size), namespace=prepared["namespace"],
+        ttl_s=prepared["ttl_s"], blob=buf,
+    )
+
+
+def _encode(prepared: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any], int]:
     # Widest items first keeps every tensor aligned to its itemsize (the header is padded to 8).
     items = sorted(prepared["tensors"], key=lambda t: (-t[2].dtype.itemsize, t[0]))
     digest = xxhash.xxh3_128()
@@ -187,7 +215,7 @@ def encode(prepared: dict[str, Any]) -> np.ndarray:
         b, e = header[name]["data_offsets"]
         if e > b:
             buf[start + b : start + e] = arr.reshape(-1).view(np.uint8)
-    return buf
+    return buf, header, start
 
 
 def _canonical(header: dict[str, Any]) -> bytes:

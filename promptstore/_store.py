@@ -11,13 +11,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._codec import decode, encode, prepare
+from ._codec import build, prepare
 from ._entry import Entry, EntryInfo
 from ._keys import Key, coerce_key, make_key
 from ._sizes import parse_size
 from ._stats import Stats
 from ._tiers import DiskTier, MemoryTier, Tier
-from .errors import ConfigError, PromptStoreWarning, StorePathError
+from .errors import ConfigError, InvalidEntryError, PromptStoreWarning, StorePathError
 
 __all__ = ["PromptStore", "default_path"]
 
@@ -193,7 +193,7 @@ class PromptStore:
         """
         prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, meta=meta, parent=parent, ttl_s=ttl_s,
                            namespace=self.namespace)
-        return self._put_entry(decode(encode(prepared), verify=False))
+        return self._put_entry(build(prepared))
 
     def _put_entry(self, entry: Entry, tiers: Iterable[Tier] | None = None) -> bool:
         stored = False
@@ -323,6 +323,37 @@ class PromptStore:
                     seen[info.key] = EntryInfo(**{**prev.__dict__, "tier": f"{prev.tier}+{info.tier}",
                                                   "hits": max(prev.hits, info.hits)})
         return sorted(seen.values(), key=lambda i: i.last_hit, reverse=True)
+
+    def peek(self, key: Key | str) -> Entry | None:
+        """The entry stored under ``key`` in this namespace, without counting a hit or promoting it.
+
+        Raises:
+            InvalidKeyError: ``key`` is not a key.
+        """
+        entry = self._peek(coerce_key(key))
+        return entry if entry is not None and entry.namespace == self.namespace else None
+
+    def put_entry(self, entry: Entry, *, persistent_only: bool = False) -> bool:
+        """Store an already-encoded :class:`Entry` (one read from a bundle or another store).
+
+        Args:
+            entry: it must belong to this store's namespace; its ``hits`` carry over.
+            persistent_only: store it in the disk and Redis tiers only (imports do: nothing is
+                read yet, so it need not take memory).
+
+        Returns:
+            True if at least one tier kept it.
+
+        Raises:
+            InvalidEntryError: the entry belongs to another namespace or has no encoded bytes.
+        """
+        if entry.namespace != self.namespace:
+            raise InvalidEntryError(f"an entry of namespace {entry.namespace!r} cannot go into namespace "
+                                    f"{self.namespace!r}")
+        if entry.blob is None:
+            raise InvalidEntryError("the entry has no encoded bytes (entries come from get, peek or a bundle)")
+        tiers = [t for t in self._tiers if t.persistent] if persistent_only else None
+        return self._put_entry(entry, tiers or None)
 
     def _peek(self, key: bytes) -> Entry | None:
         for tier in self._tiers:

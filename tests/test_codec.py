@@ -247,6 +247,10 @@ _dtypes = st.sampled_from([np.float32, np.float16, np.float64, np.int8, np.int32
                        max_size=4),
        st.dictionaries(st.text(max_size=5), st.text(max_size=10), max_size=3))
 def test_any_entry_roundtrips(tensors, meta):
+    from promptstore._codec import build
+
+    built = build(prepare(bytes(32), tensors, kind="test", meta=meta))  # what put() stores: no header re-parse
+    assert _described(built) == _described(decode(bytes(memoryview(built.blob))))
     e = roundtrip(tensors, meta=meta)
     assert e.meta == meta
     assert set(e.tensors) == set(tensors)
