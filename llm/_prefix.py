@@ -5,6 +5,13 @@ key ``k_i = H(k_{i-1}, tokens of block i)``, so a key names the whole prefix up 
 of its block and any prompt that starts with the same tokens finds it. An entry holds the
 block's keys and values for every layer, ``k`` and ``v`` of shape
 ``(layers, kv_heads, block_tokens, head_dim)``.
+
+Reuse is token-granular. The partial block after a request's last full block is stored too,
+with its token ids, under a key made from that last full block's key and the tail's first
+token. A later prompt finds it with one index lookup after walking its full blocks, and
+reuses as many of its tokens as the two prompts share: the KV of token *i* depends only on
+tokens up to *i*. So "prefill the document, then document + question" computes only the
+question.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ._fingerprint import architecture, model_fingerprint, tokenizer_fingerprint
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
+TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
 CHECK_KIND = "llm.check"  # a model architecture's verdict of _check_model, so a fresh process skips its forwards
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -61,8 +69,9 @@ class _Counts:
 class PrefixCache:
     """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
 
-    Works with any transformers causal LM whose layers keep full-length KV of one shape
-    (Llama, Qwen, Mistral without sliding window, SmolLM...). Keys cover the model's
+    Serves transformers causal LMs whose layers keep full-length KV of one shape (Llama,
+    Qwen, Phi, GPT-2, Gemma, SmolLM...) and refuses the others before anything is stored
+    (see ``_check_model``). Keys cover the model's
     fingerprint (config, every weight, attention implementation), the tokenizer, the KV
     dtype and the block size, so a cached block is only ever used by the computation that
     produced it.
@@ -71,7 +80,8 @@ class PrefixCache:
         model: a transformers causal LM (``model.eval()``; any device).
         tokenizer: its tokenizer; needed for text and chat-message prompts.
         store: where blocks live (default: ``PromptStore()``, the default disk folder).
-        block_tokens: tokens per stored block. Only full blocks are stored.
+        block_tokens: tokens per stored block. The partial block at the end of a request is
+            stored as well, so reuse is token-granular whatever the block size.
         kv_dtype: ``None`` stores the model's own KV dtype (exact). ``torch.float16`` or
             ``torch.bfloat16`` halve the bytes of fp32 KV at a small, measured score error.
 
@@ -239,9 +249,53 @@ class PrefixCache:
             self._copy_in(buffers, entry, blocks, usable)
             blocks += 1
         n_cached = min(blocks * self.block_tokens, usable)
+        if n_cached < usable:
+            # Token-granular: the stored partial block after the last full one, if it starts
+            # like this prompt, serves every token the two share (one index lookup).
+            tail = self.store.get(self._tail_key(keys[blocks - 1] if blocks else None, int(ids[n_cached])), kind=KIND)
+            shared = self._shared(tail, ids[n_cached:usable]) if tail is not None else 0
+            if shared:
+                if buffers is None:
+                    buffers = self._allocate(len(ids) + RESERVE_TOKENS)
+                self._copy_tail(buffers, tail, n_cached, shared)
+                n_cached += shared
         if n_cached == 0:
             return None, 0
         return self._make_cache(self._finish(buffers, n_cached)), n_cached
+
+    def _tail_key(self, parent: bytes | None, first_token: int) -> bytes:
+        """Where the partial block after ``parent`` (None: the chain's root) starting with ``first_token`` lives."""
+        if self._root is None:
+            self._root = self._root_key()
+        return self.store.key(TAIL_KIND, np.array([first_token], "<i4").tobytes(),
+                              fingerprints=[(parent if parent is not None else self._root).hex()])
+
+    def _shared(self, tail: Entry, ids: np.ndarray) -> int:
+        """How many leading tokens of ``ids`` the stored tail holds KV for (0 if it does not fit)."""
+        layers, heads, head_dim, _ = self._get_layout()
+        try:
+            tokens, k, v = tail.tensors["tokens"], tail.tensors["k"], tail.tensors["v"]
+        except KeyError:
+            return 0
+        r = tokens.shape[0] if tokens.ndim == 1 else -1
+        want = (layers, heads, r, head_dim)
+        if not 0 < r < self.block_tokens or k.shape != want or v.shape != want or tail.dtypes["k"] != tail.dtypes["v"]:
+            return 0
+        n = min(r, len(ids))
+        differ = np.flatnonzero(tokens[:n].astype(np.int64) != ids[:n])
+        return int(differ[0]) if differ.size else n
+
+    def _copy_tail(self, buffers: tuple[Any, Any], tail: Entry, lo: int, n: int) -> None:
+        import torch
+
+        for side, full in zip(("k", "v"), buffers, strict=True):
+            src = tail.tensors[side][:, :, :n, :]
+            if full.device.type == "cuda":
+                host = torch.empty((full.shape[0], full.shape[2], n, full.shape[4]), dtype=full.dtype)
+                _copy_block(_host_view(host), src, tail.dtypes[side], full.dtype)
+                full[:, 0, :, lo : lo + n, :].copy_(host.to(full.device))
+            else:
+                _copy_block(_host_view(full)[:, 0, :, lo : lo + n, :], src, tail.dtypes[side], full.dtype)
 
     def _walk(self, keys: list[bytes]) -> Any:
         """Yield the stored blocks of ``keys`` in order, up to the first miss.
@@ -350,8 +404,9 @@ class PrefixCache:
                       seconds_per_token: float) -> int:
         import torch
 
-        last_block = min(n_in_cache, len(ids)) // self.block_tokens
-        if last_block <= first_block:
+        n = min(n_in_cache, len(ids))
+        last_block = n // self.block_tokens
+        if last_block <= first_block and n == last_block * self.block_tokens:
             return 0
         held = cache.get_seq_length()
         if held != n_in_cache:
@@ -375,7 +430,29 @@ class PrefixCache:
                            cost_s=seconds_per_token * self.block_tokens, parent=keys[b - 1] if b else None,
                            meta={"block": str(b), "tokens": str(self.block_tokens)})
             stored += 1
+        lo = last_block * self.block_tokens
+        if n > lo:
+            stored += self._store_tail(ids[lo:n], kv, lo, keys[last_block - 1] if last_block else None,
+                                       seconds_per_token)
         return stored
+
+    def _store_tail(self, tokens: np.ndarray, kv: list[tuple[Any, Any]], lo: int, parent: bytes | None,
+                    seconds_per_token: float) -> int:
+        """Store the partial block after the last full one (tokens and their KV), unless one stored covers it."""
+        import torch
+
+        key = self._tail_key(parent, int(tokens[0]))
+        old = self.store.peek(key)
+        if old is not None and len(tokens) <= self._shared(old, tokens.astype(np.int64)):
+            return 0  # the stored tail already starts with all of these tokens
+        hi = lo + len(tokens)
+        with torch.no_grad():
+            k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
+            v = torch.stack([layer_v[0, :, lo:hi, :] for _, layer_v in kv])
+        self.store.put(key, {"tokens": tokens.astype(np.int32), "k": self._to_stored(k), "v": self._to_stored(v)},
+                       kind=KIND, cost_s=seconds_per_token * len(tokens), parent=parent,
+                       meta={"tail": str(len(tokens)), "tokens": str(self.block_tokens)})
+        return 1
 
     def _to_stored(self, t: Any) -> Any:
         import torch
@@ -411,7 +488,7 @@ class PrefixCache:
             setattr(self._total, name, getattr(self._total, name) + getattr(self._last, name))
 
     def prefill(self, input_ids: Any) -> tuple[Any, Any]:
-        """Run only the tokens after the longest stored prefix, and store every new full block.
+        """Run only the tokens after the longest stored prefix, and store the new blocks and the tail.
 
         Returns:
             ``(cache, logits)``: the cache holding all of ``input_ids`` and the next-token
