@@ -168,6 +168,12 @@ class PrefixCache:
     # -- inputs ---------------------------------------------------------------------------
     def _ids(self, input_ids: Any) -> np.ndarray:
         ids = input_ids
+        if isinstance(ids, Mapping) and "input_ids" in ids:
+            # What tokenizers and apply_chat_template(..., return_tensors="pt") return (a BatchEncoding).
+            mask = ids.get("attention_mask")
+            if mask is not None and not bool(np.all(np.asarray(mask.detach().cpu() if hasattr(mask, "detach") else mask))):
+                raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
+            ids = ids["input_ids"]
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu().numpy()
         ids = np.asarray(ids)
@@ -527,6 +533,7 @@ class PrefixCache:
             raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
         if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
             raise InvalidInputError("PrefixCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
+        _check_lengths(generate_kwargs, len(ids))  # before any lookup or forward
         self._begin(len(ids))
         cache, n_cached = self._lookup(ids)
         stop = len(ids) - 1
@@ -556,6 +563,29 @@ class PrefixCache:
     def stats(self) -> dict[str, dict[str, int]]:
         """Tokens queried, served from cache, computed (and generated), for the last request and in total."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+def _check_lengths(kwargs: Mapping[str, Any], n_prompt: int) -> None:
+    """generate's length arguments, checked before any work (transformers checks them after the prefill).
+
+    Raises:
+        InvalidInputError: a length that is not a positive int, or that leaves nothing to generate.
+    """
+    def whole(name: str) -> int | None:
+        value = kwargs.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
+        return int(value)
+
+    new, least, total = whole("max_new_tokens"), whole("min_new_tokens"), whole("max_length")
+    if new == 0:
+        raise InvalidInputError("max_new_tokens must be at least 1")
+    if new is not None and least is not None and least > new:
+        raise InvalidInputError(f"min_new_tokens ({least}) is more than max_new_tokens ({new})")
+    if new is None and total is not None and total <= n_prompt:
+        raise InvalidInputError(f"max_length ({total}) leaves nothing to generate after a {n_prompt}-token prompt")
 
 
 def _rope_types(model: Any) -> set[str]:

@@ -23,7 +23,8 @@ def parse_size(value: int | str) -> int:
     ``KiB/MiB/GiB/TiB`` (and bare ``K/M/G/T``) are powers of 1024; ``KB/MB/GB/TB`` of 1000.
 
     Raises:
-        InvalidSizeError: negative, not finite, or not understood.
+        InvalidSizeError: negative, not finite, not a whole number of bytes (``1.5``,
+            ``"0.1KiB"``), or not understood.
     """
     if isinstance(value, bool):
         raise InvalidSizeError(f"not a size: {value!r}")
@@ -34,13 +35,20 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise InvalidSizeError(f"not a size: {value!r}")
-        return int(value)
+        return _whole(value, value)
     if not isinstance(value, str):
         raise InvalidSizeError(f"a size is an int or a string like '2GiB', got {type(value).__name__}")
     match = _PATTERN.match(value)
     if not match or match.group(2).lower() not in _UNITS:
         raise InvalidSizeError(f"not a size: {value!r} (try '512MiB' or '2GiB')")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return _whole(float(match.group(1)) * _UNITS[match.group(2).lower()], value)
+
+
+def _whole(n: float, given: object) -> int:
+    # 1.5 used to become 1 byte silently; a fractional byte count is a mistake, not a size.
+    if abs(n - round(n)) > 1e-9 * max(1.0, n):
+        raise InvalidSizeError(f"a size is a whole number of bytes, got {given!r} ({n} bytes)")
+    return int(round(n))
 
 
 def format_size(n: float) -> str:

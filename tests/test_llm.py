@@ -355,3 +355,30 @@ def test_the_seed_example_computes_exactly_its_question_tokens(smol, store):
     common = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
     assert pc.stats["last"]["served"] == common
     assert pc.stats["last"]["computed"] == len(second) - common  # the question and what follows it, nothing more
+
+
+# -- errors before work (#13) ---------------------------------------------------------------------
+def test_what_current_tokenizers_return_is_accepted(smol, store):
+    model, tok = smol
+    msgs = [{"role": "user", "content": "Where do forklifts park?"}]
+    batch = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = batch["input_ids"][0].tolist()
+    pc = PrefixCache(model, tok, store=store, block_tokens=16)
+    for given in (batch, tok("Forklifts park in bay C.", return_tensors="pt"), dict(batch)):
+        _, logits = pc.prefill(given)
+        ids = given["input_ids"][0].tolist()
+        assert (logits - full_logits(model, ids)).abs().max().item() <= ATOL
+    assert pc.generate(batch, max_new_tokens=4, do_sample=False)[0].tolist() == greedy(model, plain, 4)
+    padded = {"input_ids": batch["input_ids"], "attention_mask": torch.zeros_like(batch["input_ids"])}
+    with pytest.raises(InvalidInputError, match="padded"):
+        pc.prefill(padded)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"max_new_tokens": -1}, {"max_new_tokens": 2.5},
+                                    {"max_new_tokens": 2, "min_new_tokens": 5}, {"max_length": 10}])
+def test_bad_generate_lengths_fail_before_any_work(tiny, store, kwargs):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    counter = TokenCounter(tiny)
+    with pytest.raises(InvalidInputError):
+        pc.generate(list(range(40)), **kwargs)
+    assert counter.n == 0 and [i for i in store.ls() if i.kind == "llm.kv"] == []

@@ -48,10 +48,17 @@ def test_parse_size(text, n):
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize("bad", [-1, "-5MiB", "lots", "5 parsecs", "", None, True, float("inf")])
+@pytest.mark.parametrize("bad", [-1, "-5MiB", "lots", "5 parsecs", "", None, True, float("inf"), 1.5, "1.5", "0.1KiB"])
 def test_parse_size_rejects(bad):
     with pytest.raises(InvalidSizeError):
         parse_size(bad)
+
+
+def test_a_fractional_budget_is_refused_not_rounded(tmp_path):
+    """Issue #13: PromptStore(memory_bytes=1.5) was accepted as a 1-byte tier."""
+    with pytest.raises(InvalidSizeError, match="whole number of bytes"):
+        PromptStore(tmp_path / "s", memory_bytes=1.5)
+    assert parse_size(2048.0) == 2048 and parse_size("0.5KiB") == 512
 
 
 def test_format_size():
