@@ -9,13 +9,14 @@ import argparse
 import datetime as _dt
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ._sizes import format_size
 from ._store import PromptStore, default_path
-from .errors import PromptStoreError
+from .errors import InvalidInputError, PromptStoreError
 
 __all__ = ["main", "build_parser"]
 
@@ -49,7 +50,7 @@ def _when(t: float | None) -> str:
 
 def _tier_lines(title: str, where: str, t: dict[str, Any]) -> list[str]:
     lines = [f"{title:<6} {where}",
-             f"       {t.get('entries', 0)} entries, {format_size(t.get('bytes', 0))} of {format_size(t.get('budget', 0))}"]
+             f"       {_entries(t.get('entries', 0))}, {format_size(t.get('bytes', 0))} of {format_size(t.get('budget', 0))}"]
     if t.get("available") is False:
         lines.append("       unreachable")
     life = t.get("lifetime", {})
@@ -93,7 +94,10 @@ def _cmd_ls(args: argparse.Namespace) -> tuple[Any, str, int]:
 def _cmd_verify(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
         report = store.verify(all_namespaces=args.all_namespaces)
-    text = f"checked {report['checked']} entries: " + ("ok" if report["ok"] else "PROBLEMS")
+    text = f"checked {_entries(report['checked'])}: " + ("ok" if report["ok"] else "PROBLEMS")
+    other = report.get("other_versions", {})
+    if any(other.values()):
+        text += f" ({other.get('newer', 0)} of a newer and {other.get('older', 0)} of an older promptstore, left alone)"
     text += "".join(f"\n  {p}" for p in report["problems"])
     return report, text, 0 if report["ok"] else 1
 
@@ -108,17 +112,38 @@ def _cmd_gc(args: argparse.Namespace) -> tuple[Any, str, int]:
     return report, text, 0
 
 
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def _resolve(store: PromptStore, prefixes: list[str]) -> list[bytes]:
+    """Full keys for the hex prefixes given (as ``ls`` prints them): each must name exactly one entry."""
+    keys = [i.key for i in store.ls()]
+    out = []
+    for p in prefixes:
+        p = p.strip().lower()
+        if len(p) < 8 or any(c not in "0123456789abcdef" for c in p):
+            raise InvalidInputError(f"--key takes a key or a prefix of at least 8 hex characters, got {p!r}")
+        found = [k for k in keys if k.hex().startswith(p)]
+        if len(found) != 1:
+            raise InvalidInputError(f"--key {p}: {'no entry' if not found else f'{len(found)} entries'} in this "
+                                    f"namespace {'has' if not found else 'share'} that key{' prefix' if len(p) < 64 else ''}")
+        out.append(found[0])
+    return out
+
+
 def _cmd_export(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args) as store:
-        n = store.export_bundle(args.bundle, keys=args.key or None, kind=args.kind)
+        keys = _resolve(store, args.key) if args.key else None
+        n = store.export_bundle(args.bundle, keys=keys, kind=args.kind)
     size = Path(args.bundle).stat().st_size
-    return {"entries": n, "bundle": args.bundle, "bytes": size}, f"wrote {n} entries ({format_size(size)}) to {args.bundle}", 0
+    return {"entries": n, "bundle": args.bundle, "bytes": size}, f"wrote {_entries(n)} ({format_size(size)}) to {args.bundle}", 0
 
 
 def _cmd_import(args: argparse.Namespace) -> tuple[Any, str, int]:
     with _open(args, create=True) as store:
         n = store.import_bundle(args.bundle)
-    return {"entries": n, "bundle": args.bundle}, f"imported {n} entries from {args.bundle}", 0
+    return {"entries": n, "bundle": args.bundle}, f"imported {_entries(n)} from {args.bundle}", 0
 
 
 Command = Callable[[argparse.Namespace], "tuple[Any, str, int]"]
@@ -152,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("export", "write entries to a bundle file", _cmd_export)
     p.add_argument("bundle")
     p.add_argument("--kind")
-    p.add_argument("--key", action="append", help="a key (hex) to export; repeatable")
+    p.add_argument("--key", action="append", help="a key, or a unique prefix of 8+ hex characters as ls prints it; repeatable")
     p = add("import", "verify a bundle, then store its entries", _cmd_import)
     p.add_argument("bundle")
     for name, (help_, configure, fn) in EXTRA_COMMANDS.items():
@@ -162,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    # A warning is one line for a person at a terminal, not a Python source excerpt.
+    warnings.showwarning = _show_warning
     _load_adapter_commands()
     args = build_parser().parse_args(argv)
     try:
@@ -174,6 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS_GROUP = "promptstore.commands"
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    print(f"promptstore: warning: {message}", file=sys.stderr)
 
 
 def _load_adapter_commands() -> None:

@@ -80,3 +80,31 @@ def test_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "not a readable bundle" in proc.stderr
     proc = cli("frobnicate", check=False)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_export_takes_the_keys_ls_prints(folder, tmp_path):
+    """Issue #13: ls prints 16-character keys; export --key needed all 64, and an unknown key 'wrote 0 entries'."""
+    short = cli("--dir", str(folder), "ls", "--kind", "vision.text").stdout.splitlines()[1].split()[0]
+    assert len(short) == 16
+    out = cli("--dir", str(folder), "export", str(tmp_path / "one.psb"), "--key", short).stdout
+    assert "wrote 1 entry " in out
+    unknown = cli("--dir", str(folder), "export", str(tmp_path / "x.psb"), "--key", "ffffffffffffffff", check=False)
+    assert unknown.returncode == 2 and "no entry" in unknown.stderr and not (tmp_path / "x.psb").exists()
+    vague = cli("--dir", str(folder), "export", str(tmp_path / "y.psb"), "--key", "abc", check=False)
+    assert vague.returncode == 2 and "8 hex characters" in vague.stderr
+
+
+def test_warnings_are_one_line(tmp_path):
+    """A corrupt entry's warning shows its message, not a line of promptstore's source."""
+    from promptstore import PromptStore
+
+    with PromptStore(tmp_path / "s", memory_bytes=0) as s:
+        key = s.key("t", "x")
+        s.put(key, {"x": np.ones(4, np.float32)}, kind="t")
+    (f,) = (tmp_path / "s" / "entries").rglob("*.safetensors")
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    proc = cli("--dir", str(tmp_path / "s"), "verify", check=False)
+    warning_lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert warning_lines and all(line.startswith("promptstore: warning: ") for line in warning_lines), proc.stderr
