@@ -196,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PromptStoreError, OSError) as exc:
         print(f"promptstore: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("promptstore: interrupted; finished work is stored, run the command again to continue", file=sys.stderr)
+        return 130
     print(json.dumps(data, indent=1, default=str) if args.json else text)
     return int(code)
 
@@ -223,3 +226,7 @@ def _load_adapter_commands() -> None:
             EXTRA_COMMANDS[ep.name] = ep.load()
         except ImportError:
             continue
+
+
+if __name__ == "__main__":
+    sys.exit(main())

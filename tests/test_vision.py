@@ -367,3 +367,44 @@ def test_fuzz_npz_import(tmp_path_factory, overrides, flip):
                 names, emb = f["names"].tolist(), f["embeddings"]
             assert list(model.model.names.values()) == names
             assert torch.equal(model.model.pe.cpu(), torch.from_numpy(emb.astype(np.float32)).reshape(model.model.pe.shape))
+
+
+def test_an_interrupted_warm_classes_keeps_finished_batches_and_resumes(tmp_path):
+    """Issue #13: Ctrl-C threw away every name already encoded. Now: one line, exit 130, and a rerun continues."""
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(lvis_names(40)))
+    store = tmp_path / "store"
+    code = f"""
+        import sys
+        import promptstore.vision._cli as vcli
+        from promptstore.cli import main
+        real = vcli.parse_encoder
+
+        def interrupting(spec, seed):
+            enc = real(spec, seed)
+            calls = []
+            encode = enc.encode
+            def encode_then_stop(texts):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt  # what Ctrl-C raises
+                return encode(texts)
+            enc.encode = encode_then_stop
+            return enc
+
+        vcli.parse_encoder = interrupting
+        sys.exit(main(["warm-classes", {str(names)!r}, "--encoder", "open_clip:ViT-S-16-alt", "--batch", "4",
+                       "--dir", {str(store)!r}]))
+    """
+    proc = run_python(code, check=False)
+    assert proc.returncode == 130, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("promptstore: interrupted") and "Traceback" not in proc.stderr
+    assert any(line.startswith("promptstore: warning:") and "random weights" in line for line in lines)
+    with PromptStore(store) as s:
+        assert len(s.ls(kind="vision.text")) == 16  # two finished chunks of 2 x batch
+    again = subprocess.run([sys.executable, "-m", "promptstore.cli", "warm-classes", str(names), "--encoder",
+                            "open_clip:ViT-S-16-alt", "--batch", "4", "--dir", str(store), "--json"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["encoded"] == 24

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from promptstore import PromptStore, digest_tensors
 from promptstore.errors import InvalidInputError
@@ -133,6 +134,34 @@ class Recipes:
     def vocabulary(self, names: Sequence[str]) -> bytes:
         """An ordered vocabulary's embeddings, in one entry."""
         return self.store.key(SET_KIND, vocabulary_payload(names), fingerprints=[self.efp, str(self.dfp)])
+
+
+def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``names`` in chunks, storing each chunk's text features as soon as it is done.
+
+    An interrupted run (Ctrl-C, a crash) keeps every finished chunk, so running it again
+    encodes only the rest.
+
+    Returns:
+        ``(features, seconds per name)``, in the order of ``names``.
+    """
+    feats = np.empty((len(names), encoder.dim), np.float32)
+    cost = np.zeros(len(names))
+    chunk = max(2 * int(getattr(encoder, "batch", 64)), 1)  # the encoder's own bar stays off at this size
+    bar = tqdm(total=len(names), desc="promptstore: encoding class names", unit="name", leave=False,
+               disable=None if len(names) > chunk else True)
+    for lo in range(0, len(names), chunk):
+        part = names[lo : lo + chunk]
+        t0 = time.perf_counter()
+        out = encoder.encode(part)
+        each = (time.perf_counter() - t0) / len(part)
+        for j, name in enumerate(part):
+            recipes.store.put(recipes.text(name), {"text": out[j]}, kind=TEXT_KIND, cost_s=each,
+                              meta={"name": name, "encoder": recipes.efp})
+        feats[lo : lo + len(part)], cost[lo : lo + len(part)] = out, each
+        bar.update(len(part))
+    bar.close()
+    return feats, cost
 
 
 def _head_width(inner: Any, kind: str) -> int:
@@ -275,13 +304,8 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
         else:
             need_text.append(i)
     if need_text:
-        t1 = time.perf_counter()
-        feats = encoder.encode([names[i] for i in need_text])
-        each = (time.perf_counter() - t1) / len(need_text)
-        for j, i in enumerate(need_text):
-            text[i], cost[i] = feats[j], each
-            store.put(keys.text(names[i]), {"text": feats[j]}, kind=TEXT_KIND,
-                      cost_s=each, meta={"name": names[i], "encoder": keys.efp})
+        feats, each = encode_and_store(encoder, [names[i] for i in need_text], keys)
+        text[need_text], cost[need_text] = feats, each
     if need_pe:
         t1 = time.perf_counter()
         if kind == "yoloe":

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from promptstore.cli import open_store
 from promptstore.errors import InvalidInputError
 
-from ._classes import TEXT_KIND, Recipes, check_names, set_classes
+from ._classes import Recipes, check_names, encode_and_store, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 
 
@@ -56,6 +57,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
     names = read_names(args.names)
     encoder = parse_encoder(args.encoder, args.seed)
+    if getattr(encoder, "random_weights", False):
+        warnings.warn(f"{args.encoder} has random weights (no checkpoint given): its embeddings have the right shape and "
+                      "cost but no meaning; use open_clip:MODEL:WEIGHTS with a tag or a checkpoint path", stacklevel=2)
     encoder.batch = args.batch  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     with open_store(args, create=True) as store:
@@ -67,13 +71,9 @@ def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
         else:
             recipes = Recipes(store, encoder.fingerprint)
             keys = [recipes.text(n) for n in names]
-            todo = [(n, k) for n, k in zip(names, keys, strict=True) if k not in store]
+            todo = [n for n, k in zip(names, keys, strict=True) if k not in store]
             if todo:
-                t1 = time.perf_counter()
-                feats = encoder.encode([n for n, _ in todo])
-                each = (time.perf_counter() - t1) / len(todo)
-                for (n, k), f in zip(todo, feats, strict=True):
-                    store.put(k, {"text": f}, kind=TEXT_KIND, cost_s=each, meta={"name": n, "encoder": encoder.fingerprint})
+                encode_and_store(encoder, todo, recipes)  # each finished chunk is stored: Ctrl-C keeps it
             encoded, hits = len(todo), len(names) - len(todo)
     seconds = time.perf_counter() - t0
     data = {"names": len(names), "encoded": encoded, "already_stored": hits, "seconds": seconds,
