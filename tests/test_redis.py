@@ -201,7 +201,7 @@ def test_cli_stats_shows_redis(tmp_path, redis_url):
     exe = os.path.join(os.path.dirname(sys.executable), "promptstore")
     out = subprocess.run([exe, "--dir", str(tmp_path / "s"), "--redis-url", redis_url, "stats"], capture_output=True,
                          text=True, check=True).stdout
-    assert "redis" in out and "1 entries" in out
+    assert "redis" in out and "1 entry" in out
     data = json.loads(subprocess.run([exe, "--dir", str(tmp_path / "s"), "--redis-url", redis_url, "--json", "stats"],
                                      capture_output=True, text=True, check=True).stdout)
     assert data["redis"]["entries"] == 1
