@@ -9,12 +9,14 @@ xxh3 runs at ~15 GB/s, so SmolLM2's 540 MB cost ~37 ms (measured, one core).
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 from typing import Any
 
 import numpy as np
 
-from promptstore import digest_tensors
+from promptstore import digest_tensors, file_digest
 
 __all__ = ["model_fingerprint", "tokenizer_fingerprint", "architecture"]
 
@@ -24,11 +26,30 @@ _IRRELEVANT = {"_name_or_path", "transformers_version", "_commit_hash", "quantiz
                "output_hidden_states", "return_dict"}
 
 
+def code(model: Any) -> list[str]:
+    """The code that computes: transformers' version and the source file of every module class in the model.
+
+    A class of the same name from another file (a subclass, remote code, a patched
+    attention module) or a transformers upgrade that edits a modeling file computes other KV.
+    """
+    import transformers
+
+    out = [f"transformers={transformers.__version__}"]
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: (c.__module__, c.__qualname__)):
+        try:
+            source = inspect.getsourcefile(cls)
+        except TypeError:  # a built-in class
+            source = None
+        digest = file_digest(source) if source and os.path.isfile(source) else "builtin"
+        out.append(f"{cls.__module__}.{cls.__qualname__}:{digest}")
+    return out
+
+
 def architecture(model: Any) -> str:
-    """The model's class, attention implementation and config (what its code computes, not its weights)."""
+    """The model's class, attention implementation, config and code (what computes, not its weights)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in _IRRELEVANT}
-    return json.dumps([type(model).__name__, str(getattr(model.config, "_attn_implementation", "")), config],
-                      sort_keys=True, default=str)
+    return json.dumps([type(model).__name__, str(getattr(model.config, "_attn_implementation", "")), config,
+                       code(model)], sort_keys=True, default=str)
 
 
 def model_fingerprint(model: Any) -> str:

@@ -114,3 +114,50 @@ def test_detector_head_edit_is_detected(how, tmp_path):
                            what=f"class embeddings after {how}")
         assert reports[0].hits == 0 and reports[0].text_hits == len(names)  # head changed, encoder did not
         assert reports[1].from_set
+
+
+PATCHED = '''
+import torch
+from transformers import LlamaForCausalLM as _Base
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 1.5
+
+
+class LlamaForCausalLM(_Base):  # same name, config and weights as the stock class; other code
+    def __init__(self, config):
+        super().__init__(config)
+        old = self.model.embed_tokens
+        self.model.embed_tokens = ScaledEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx)
+'''
+
+
+def test_other_code_with_the_same_name_config_and_weights_misses(tmp_path, monkeypatch):
+    """The fingerprint names the code too: a same-named class from another file computes other KV."""
+    (tmp_path / "patched_llama.py").write_text(PATCHED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import patched_llama
+
+    stock = _llama()
+    other = patched_llama.LlamaForCausalLM(stock.config).eval()
+    other.load_state_dict(stock.state_dict())
+    assert type(other).__name__ == type(stock).__name__
+    ids = np.random.default_rng(3).integers(0, 300, 50).tolist()
+    with PromptStore(tmp_path / "s") as store:
+        PrefixCache(stock, None, store=store, block_tokens=8).prefill(ids)
+        pc = PrefixCache(other, None, store=store, block_tokens=8)
+        served = []
+
+        def cached():
+            logits = pc.prefill(ids)[1]
+            served.append(pc.stats["last"]["served"])
+            return logits
+
+        def plain():
+            with torch.no_grad():
+                return other(torch.as_tensor([ids])).logits[0, -1]
+
+        assert_transparent(cached, plain, atol=1e-4, what="scores of other code")
+        assert served == [0, len(ids) - 1]

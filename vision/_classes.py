@@ -205,8 +205,11 @@ def detector_fingerprint(model: Any) -> str:
     _, inner, kind = _unwrap(model)
     if kind == "world":
         return "yoloworld:raw-text-features"
+    import ultralytics
+
     head = inner.model[-1]
-    return _digest_module(head.reprta, f"yoloe-reprta:{type(head).__name__}:{head.embed}")
+    # The version names the code of get_tpe (RepRTA, then normalisation), the weights its parameters.
+    return _digest_module(head.reprta, f"yoloe-reprta:{type(head).__name__}:{head.embed}:ultralytics={ultralytics.__version__}")
 
 
 def default_encoder(model: Any) -> TextEncoder:

@@ -179,9 +179,9 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
             source = (f"random-text-tower:seed={seed}:open_clip={open_clip.__version__}"
                       f":torch={torch.__version__.split('+')[0]}")
         elif Path(pretrained).is_file():
-            source = f"file:{file_digest(pretrained)}"
+            source = f"file:{file_digest(pretrained)}:open_clip={open_clip.__version__}"
         else:
-            source = f"tag:{pretrained}"
+            source = f"tag:{pretrained}:open_clip={open_clip.__version__}"  # its code pools and projects
         # The context actually run changes the features of some towers: it is part of the name.
         self._fp = f"open_clip:{model_name}:{source}:context={'trimmed' if self.trim else 'full'}"
 
