@@ -35,7 +35,7 @@ __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
-CHECK_KIND = "llm.check"  # a model architecture's verdict of _check_model, so a fresh process skips its forwards
+CHECK_KIND = "llm.check"  # a model architecture's verdict of _probe_model, so a fresh process skips its forwards
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -71,7 +71,7 @@ class PrefixCache:
 
     Serves transformers causal LMs whose layers keep full-length KV of one shape (Llama,
     Qwen, Phi, GPT-2, Gemma, SmolLM...) and refuses the others before anything is stored
-    (see ``_check_model``). Keys cover the model's
+    (see ``_check_structure`` and ``_probe_model``). Keys cover the model's
     fingerprint (config, every weight, attention implementation), the tokenizer, the KV
     dtype and the block size, so a cached block is only ever used by the computation that
     produced it.
@@ -108,12 +108,13 @@ class PrefixCache:
         self._last = _Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
-        self._get_layout()  # refuse an unsupported model before anything is looked up or stored
+        self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
 
     # -- identity -------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
         """What the keys are bound to: model, tokenizer, KV dtype and layout, block size."""
+        self._refresh_layout()
         return "|".join(self._fingerprints())
 
     def _fingerprints(self) -> list[str]:
@@ -129,14 +130,32 @@ class PrefixCache:
         return self.store.key(KIND, b"", fingerprints=self._fingerprints())
 
     def _get_layout(self) -> tuple[int, int, int, Any]:
-        # `.half()` or `.to()` between requests changes the KV dtype: re-derive it then.
+        if self._layout is None:
+            self._refresh_layout()
+        assert self._layout is not None
+        return self._layout[1]
+
+    def _refresh_layout(self) -> None:
+        """Re-derive the layout if the model's dtype or device moved (``.half()``, ``.to()``).
+
+        Once per request: it walks every parameter, so the per-block paths use the result.
+        """
         signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device))
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, self._checked_layout(signature))
-        return self._layout[1]
+
+    def _new_request(self) -> None:
+        """What a request starts from: the weights as they are now (root key) and the current layout."""
+        self._root = None
+        self._refresh_layout()
+
+    def _request_root(self) -> bytes:
+        if self._root is None:
+            self._root = self._root_key()
+        return self._root
 
     def _checked_layout(self, signature: Any) -> tuple[int, int, int, Any]:
-        """_check_model's verdict, from the store when this architecture passed it before.
+        """_probe_model's verdict, from the store when this architecture passed it before.
 
         The verdict depends on the model's code (class, config, attention implementation,
         library versions), its dtype and device, never on the weights; the forward-free
@@ -146,7 +165,7 @@ class PrefixCache:
         import torch
         import transformers
 
-        _check_structure(self.model)
+        _check_structure(self.model)  # the checks without a forward run every time
         key = self.store.key(CHECK_KIND, fingerprints=[architecture(self.model), repr(signature),
                                                        f"transformers={transformers.__version__}",
                                                        f"torch={torch.__version__}"])
@@ -156,7 +175,7 @@ class PrefixCache:
             layers, heads, head_dim = (int(x) for x in entry.tensors["layout"])
             return layers, heads, head_dim, dtype
         t0 = time.perf_counter()
-        layers, heads, head_dim, dtype = _check_model(self.model, self._output_cache)
+        layers, heads, head_dim, dtype = _probe_model(self.model, self._output_cache)
         self.store.put(key, {"layout": np.array([layers, heads, head_dim], np.int64)}, kind=CHECK_KIND,
                        cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
         return layers, heads, head_dim, dtype
@@ -170,9 +189,7 @@ class PrefixCache:
         ids = input_ids
         if isinstance(ids, Mapping) and "input_ids" in ids:
             # What tokenizers and apply_chat_template(..., return_tensors="pt") return (a BatchEncoding).
-            mask = ids.get("attention_mask")
-            if mask is not None and not bool(np.all(np.asarray(mask.detach().cpu() if hasattr(mask, "detach") else mask))):
-                raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
+            _refuse_padding(ids.get("attention_mask"))
             ids = ids["input_ids"]
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu().numpy()
@@ -208,9 +225,7 @@ class PrefixCache:
 
     # -- lookup ---------------------------------------------------------------------------
     def _block_keys(self, ids: np.ndarray, n_blocks: int) -> list[bytes]:
-        if self._root is None:
-            self._root = self._root_key()
-        return chain_keys(self._root, ids[: n_blocks * self.block_tokens], self.block_tokens)
+        return chain_keys(self._request_root(), ids[: n_blocks * self.block_tokens], self.block_tokens)
 
     def _fits(self, entry: Entry) -> bool:
         layers, heads, head_dim, _ = self._get_layout()
@@ -235,8 +250,7 @@ class PrefixCache:
             InvalidInputError: empty ids, ids outside the vocabulary, a batch of several.
         """
         ids = self._ids(input_ids)
-        self._get_layout()
-        self._root = None
+        self._new_request()
         return self._lookup(ids)
 
     def _lookup(self, ids: np.ndarray) -> tuple[Any, int]:
@@ -271,10 +285,8 @@ class PrefixCache:
 
     def _tail_key(self, parent: bytes | None, first_token: int) -> bytes:
         """Where the partial block after ``parent`` (None: the chain's root) starting with ``first_token`` lives."""
-        if self._root is None:
-            self._root = self._root_key()
         return self.store.key(TAIL_KIND, np.array([first_token], "<i4").tobytes(),
-                              fingerprints=[(parent if parent is not None else self._root).hex()])
+                              fingerprints=[(parent if parent is not None else self._request_root()).hex()])
 
     def _shared(self, tail: Entry, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` the stored tail holds KV for (0 if it does not fit)."""
@@ -484,7 +496,7 @@ class PrefixCache:
         return self._output_cache(out), out.logits, seconds
 
     def _begin(self, n_queried: int) -> None:
-        self._root = None
+        self._new_request()
         self._last = _Counts()
         self._last.queried = n_queried
         self._last.requests = 1
@@ -528,9 +540,7 @@ class PrefixCache:
         import torch
 
         ids = self._prompt_ids(prompt)
-        mask = generate_kwargs.pop("attention_mask", None)
-        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-            raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
+        _refuse_padding(generate_kwargs.pop("attention_mask", None))
         if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
             raise InvalidInputError("PrefixCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
         _check_lengths(generate_kwargs, len(ids))  # before any lookup or forward
@@ -685,8 +695,14 @@ def _check_structure(model: Any) -> None:
         raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
 
 
-def _check_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
-    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly.
+def _refuse_padding(mask: Any) -> None:
+    """A prompt's attention mask must be all ones: one unpadded sequence."""
+    if mask is not None and not bool(np.all(np.asarray(mask.detach().cpu() if hasattr(mask, "detach") else mask))):
+        raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
+
+
+def _probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
+    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly (after _check_structure).
 
     Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
     ``DynamicLayer`` of one shape (every token's keys and values, kept whole), with RoPE (if
@@ -698,7 +714,6 @@ def _check_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
     """
     import torch
 
-    _check_structure(model)
     name = type(model).__name__
     text = _text_config(model.config)
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

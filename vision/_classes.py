@@ -276,10 +276,9 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     names = check_names(names)
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
         raise InvalidInputError(f"batch must be a positive int, got {batch!r}")
-    check_target(model, None)
-    store = store if store is not None else PromptStore()
     encoder = encoder if encoder is not None else default_encoder(model)
     wrapper, inner, kind, dim = check_target(model, encoder)  # everything that can fail, before any store work
+    store = store if store is not None else PromptStore()
     if batch is not None:
         encoder.batch = batch  # type: ignore[attr-defined]
     keys = Recipes(store, encoder.fingerprint, detector_fingerprint(model))
