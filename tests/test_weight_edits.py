@@ -69,20 +69,26 @@ def test_llm_edit_is_detected(how, tmp_path):
         PrefixCache(model, None, store=store, block_tokens=8).prefill(ids)  # blocks of the unedited weights
         swap = (model.model.layers[1], "mlp", LlamaMLP(model.config))
         model = _edit(model, model.model.layers[0].self_attn.q_proj.weight, how, _llama(seed=1), swap).eval()
-        pc = PrefixCache(model, None, store=store, block_tokens=8)
-        served = []
-
-        def cached():
-            logits = pc.prefill(ids)[1]
-            served.append(pc.stats["last"]["served"])
-            return logits
-
-        def plain():
-            with torch.no_grad():
-                return model(torch.as_tensor([ids])).logits[0, -1]
-
-        assert_transparent(cached, plain, atol=1e-4, what=f"scores after {how}")
+        served = _served_after(model, store, ids, f"scores after {how}")
         assert served == [0, len(ids) - 1], served  # the old entries missed, the new ones then hit (all but the last token)
+
+
+def _served_after(model, store, ids, what):
+    """Cache-on equals cache-off for ``model`` (run twice); returns the tokens served each time."""
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    served = []
+
+    def cached():
+        logits = pc.prefill(ids)[1]
+        served.append(pc.stats["last"]["served"])
+        return logits
+
+    def plain():
+        with torch.no_grad():
+            return model(torch.as_tensor([ids])).logits[0, -1]
+
+    assert_transparent(cached, plain, atol=1e-4, what=what)
+    return served
 
 
 def _yoloe_parts(model):
@@ -147,17 +153,5 @@ def test_other_code_with_the_same_name_config_and_weights_misses(tmp_path, monke
     ids = np.random.default_rng(3).integers(0, 300, 50).tolist()
     with PromptStore(tmp_path / "s") as store:
         PrefixCache(stock, None, store=store, block_tokens=8).prefill(ids)
-        pc = PrefixCache(other, None, store=store, block_tokens=8)
-        served = []
-
-        def cached():
-            logits = pc.prefill(ids)[1]
-            served.append(pc.stats["last"]["served"])
-            return logits
-
-        def plain():
-            with torch.no_grad():
-                return other(torch.as_tensor([ids])).logits[0, -1]
-
-        assert_transparent(cached, plain, atol=1e-4, what="scores of other code")
+        served = _served_after(other, store, ids, "scores of other code")
         assert served == [0, len(ids) - 1]
