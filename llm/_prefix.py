@@ -16,12 +16,18 @@ question.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
+import mmap
+import os
 import queue
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -101,9 +107,13 @@ class PrefixCache:
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renamed `past_key_values` to `cache`; use whichever this version takes.
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # Only the last position's scores are returned: computing the others costs a vocabulary-wide
+        # projection per prompt token.
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._layout: tuple[Any, tuple[int, int, int, Any]] | None = None
         self._tokenizer_fp: str | None = None
-        self._staging: list[Any] | None = None  # pinned host slots for copies to a GPU
+        self._staging: list[tuple[Any, Any]] | None = None  # pinned host slots for copies to a GPU
+        self._pool: list[tuple[np.ndarray, np.ndarray]] = []  # host KV buffers, reused once no tensor holds them
         self._total = _Counts()
         self._last = _Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
@@ -258,27 +268,26 @@ class PrefixCache:
         n_blocks = -(-usable // self.block_tokens)
         if n_blocks == 0:
             return None, 0
+        # Room for the rest of the prompt and some generated tokens: they are written in place
+        # instead of concatenated (see _ReservedLayer). Allocated before the keys, whose root
+        # fingerprints the model, so that new pages fault in meanwhile.
+        buffers = self._allocate(max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens))
         keys = self._block_keys(ids, n_blocks)
-        buffers = None
-        blocks = 0
-        for entry in self._walk(keys):
-            if buffers is None:
-                # Room for the rest of the prompt and some generated tokens: they are written in
-                # place instead of concatenated (see _ReservedLayer).
-                buffers = self._allocate(len(ids) + RESERVE_TOKENS)
-            self._copy_in(buffers, entry, blocks, usable)
-            blocks += 1
+        blocks = self._read_blocks(keys, buffers, usable)
         n_cached = min(blocks * self.block_tokens, usable)
         if n_cached < usable:
             # Token-granular: the stored partial block after the last full one, if it starts
             # like this prompt, serves every token the two share (one index lookup).
             tail = self.store.get(self._tail_key(keys[blocks - 1] if blocks else None, int(ids[n_cached])), kind=KIND)
             shared = self._shared(tail, ids[n_cached:usable]) if tail is not None else 0
-            if shared:
-                if buffers is None:
-                    buffers = self._allocate(len(ids) + RESERVE_TOKENS)
+            if shared and "full" in tail.meta:
+                # A pointer to a full block that this prompt leaves part-way: read that block.
+                key = chain_keys(keys[blocks - 1] if blocks else self._request_root(), tail.tensors["tokens"],
+                                 self.block_tokens)[0]
+                shared = shared if self._read_blocks([key], buffers, usable, first=blocks) == 1 else 0
+            elif shared:
                 self._copy_tail(buffers, tail, n_cached, shared)
-                n_cached += shared
+            n_cached += shared
         if n_cached == 0:
             return None, 0
         return self._make_cache(self._finish(buffers, n_cached)), n_cached
@@ -291,14 +300,17 @@ class PrefixCache:
     def _shared(self, tail: Entry, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` the stored tail holds KV for (0 if it does not fit)."""
         layers, heads, head_dim, _ = self._get_layout()
-        try:
-            tokens, k, v = tail.tensors["tokens"], tail.tensors["k"], tail.tensors["v"]
-        except KeyError:
-            return 0
-        r = tokens.shape[0] if tokens.ndim == 1 else -1
-        want = (layers, heads, r, head_dim)
-        if not 0 < r < self.block_tokens or k.shape != want or v.shape != want or tail.dtypes["k"] != tail.dtypes["v"]:
-            return 0
+        tokens = tail.tensors.get("tokens")
+        r = tokens.shape[0] if tokens is not None and tokens.ndim == 1 else -1
+        if "full" in tail.meta:  # a pointer to a full block: its tokens only
+            if r != self.block_tokens:
+                return 0
+        else:
+            k, v = tail.tensors.get("k"), tail.tensors.get("v")
+            want = (layers, heads, r, head_dim)
+            if (not 0 < r < self.block_tokens or k is None or v is None or k.shape != want or v.shape != want
+                    or tail.dtypes["k"] != tail.dtypes["v"]):
+                return 0
         n = min(r, len(ids))
         differ = np.flatnonzero(tokens[:n].astype(np.int64) != ids[:n])
         return int(differ[0]) if differ.size else n
@@ -315,33 +327,91 @@ class PrefixCache:
             else:
                 _copy_block(_host_view(full)[:, 0, :, lo : lo + n, :], src, tail.dtypes[side], full.dtype)
 
-    def _walk(self, keys: list[bytes]) -> Any:
-        """Yield the stored blocks of ``keys`` in order, up to the first miss.
+    def _read_blocks(self, keys: list[bytes], buffers: tuple[Any, Any], usable: int, first: int = 0) -> int:
+        """Read the stored blocks of ``keys`` into their places in ``buffers``, up to the first miss.
 
-        A reader thread fetches block i+1 (file read and checksum, which release the GIL)
-        while the caller copies block i into place.
+        Each block is read from the store in one copy, its checksum verified on the way (see
+        ``PromptStore.get(into=)``): on the CPU straight into its slice of the final per-layer
+        buffers; for a GPU into a pinned staging slot, from which an asynchronous copy moves it
+        to the device while the next blocks are read. Several blocks are read at a time (file
+        reads, hashing and copies release the GIL). Returns how many blocks in a row were found.
         """
-        results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        import torch
 
-        def read() -> None:
+        host = buffers[0].device.type == "cpu"
+        bt = self.block_tokens
+        workers = 2 if host else max(2, min(8, os.cpu_count() or 1))
+        free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        copies: list[Any] = []
+        if not host:
+            for slot in self._staging_slots(2 * workers):
+                free.put((slot, None))
+        local = threading.local()
+
+        def fetch(i: int) -> bool:
+            b = first + i
+            lo, hi = b * bt, min((b + 1) * bt, usable)
+            slot = event = None
+            if host:
+                into = {side: _host_view(full)[:, 0, :, lo : lo + bt, :]
+                        for side, full in zip(("k", "v"), buffers, strict=True)}
+            else:
+                slot, event = free.get()
+                if event is not None:
+                    event.synchronize()  # the copy that read this slot has finished
+                event = None
+                into = {"k": _host_view(slot[0]), "v": _host_view(slot[1])}
             try:
-                for key in keys:
-                    entry = self.store.get(key, kind=KIND)
-                    if entry is None or not self._fits(entry):
-                        break  # a block that does not fit this model is a miss, never a crash
-                    results.put(entry)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                results.put(exc)
-            results.put(None)
+                entry = self.store.get(keys[i], kind=KIND, into=into)
+                if entry is None or not self._fits(entry):
+                    return False  # a block that does not fit this model is a miss, never a crash
+                if any(entry.tensors[side] is not into[side] for side in into):  # stored in another dtype
+                    for side, dst in into.items():
+                        _copy_block(dst[:, :, : hi - lo, :] if host else dst, entry.tensors[side][:, :, : (hi - lo) if host
+                                    else bt, :], entry.dtypes[side], buffers[0].dtype)
+                if not host:
+                    stream = getattr(local, "stream", None)
+                    if stream is None:
+                        stream = local.stream = torch.cuda.Stream(device=buffers[0].device)
+                    with torch.cuda.stream(stream):
+                        for full, stage in zip(buffers, slot, strict=True):
+                            full[:, 0, :, lo:hi, :].copy_(stage[:, :, : hi - lo, :], non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    copies.append(event)
+                return True
+            finally:
+                if slot is not None:
+                    free.put((slot, event))
 
         if len(keys) == 1:
-            read()
+            found = int(fetch(0))
         else:
-            threading.Thread(target=read, name="promptstore-kv-reader", daemon=True).start()
-        while (item := results.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            # Blocks past a miss may still be read; every read ends before the caller uses the buffers.
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="promptstore-kv") as pool:
+                futures = [pool.submit(fetch, i) for i in range(len(keys))]
+                found = 0
+                while found < len(futures) and futures[found].result():
+                    found += 1
+                for future in futures[found:]:
+                    future.cancel()
+        if copies:
+            current = torch.cuda.current_stream(buffers[0].device)
+            for event in copies:
+                current.wait_event(event)  # the forward runs after every block has landed
+        return found
+
+    def _staging_slots(self, n: int) -> list[tuple[Any, Any]]:
+        """Pinned host blocks that GPU loads are read into (allocated once: pinning is slow)."""
+        import torch
+
+        layers, heads, head_dim, dtype = self._get_layout()
+        shape = (layers, heads, self.block_tokens, head_dim)
+        if self._staging is None or len(self._staging) < n or self._staging[0][0].shape != shape \
+                or self._staging[0][0].dtype != dtype:
+            self._staging = [(torch.empty(shape, dtype=dtype, pin_memory=True),
+                              torch.empty(shape, dtype=dtype, pin_memory=True)) for _ in range(n)]
+        return self._staging[:n]
 
     def _allocate(self, capacity: int) -> tuple[Any, Any]:
         import torch
@@ -353,48 +423,29 @@ class PrefixCache:
         if self.model.device.type == "cuda":
             return (torch.empty(shape, dtype=dtype, device=self.model.device),
                     torch.empty(shape, dtype=dtype, device=self.model.device))
-        # On the CPU the buffers come from numpy, which asks for transparent huge pages:
-        # 4x fewer page faults than torch.empty when they are first written (measured).
+        # A pair whose every tensor is gone (the caller dropped that request's cache) is reused:
+        # its pages are already faulted in, so a load costs the copy and little else.
+        np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        pair = None
+        if self._pool:
+            # A dropped cache is often freed only by the cycle collector (transformers' cache
+            # objects hold reference cycles); the young generations are enough and cost ~1 ms.
+            gc.collect(1)
+        for i in range(len(self._pool)):
+            held = self._pool[i][0]
+            fits = held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity and held.shape[4] == head_dim
+            del held
+            # Refcount 2 (the pool's tuple and the call's argument): no tensor of an earlier cache holds it.
+            if fits and sys.getrefcount(self._pool[i][0]) == 2 and sys.getrefcount(self._pool[i][1]) == 2:
+                pair = self._pool.pop(i)
+                break
+        if pair is None:
+            pair = (_fresh_buffer(shape, np_dtype), _fresh_buffer(shape, np_dtype))
+        self._pool = [pair, *self._pool][:2]  # the last two requests' buffers: one may still be held
+        out = tuple(torch.from_numpy(a) for a in pair)
         if dtype == torch.bfloat16:
-            return tuple(torch.from_numpy(np.empty(shape, np.int16)).view(torch.bfloat16) for _ in range(2))
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        return tuple(torch.from_numpy(np.empty(shape, np_dtype)) for _ in range(2))
-
-    def _copy_in(self, buffers: tuple[Any, Any], entry: Entry, block: int, limit: int) -> None:
-
-        lo = block * self.block_tokens
-        hi = min(lo + self.block_tokens, limit)
-        if buffers[0].device.type == "cuda":
-            self._copy_to_device(buffers, entry, block, lo, hi)
-            return
-        for side, full in zip(("k", "v"), buffers, strict=True):
-            _copy_block(_host_view(full)[:, 0, :, lo:hi, :], entry.tensors[side][:, :, : hi - lo, :], entry.dtypes[side],
-                        full.dtype)
-
-    def _copy_to_device(self, buffers: tuple[Any, Any], entry: Entry, block: int, lo: int, hi: int) -> None:
-        """Host block -> pinned staging slot -> non-blocking copy into the GPU tensors.
-
-        Two staging slots per side alternate, so filling one overlaps the DMA of the other;
-        a slot is reused only after the copy that read it has finished.
-        """
-        import torch
-
-        layers, heads, head_dim, dtype = self._get_layout()
-        if self._staging is None:
-            shape = (layers, heads, self.block_tokens, head_dim)
-            self._staging = [[torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)],
-                             [torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2)], [None, None]]
-        slot = block % 2
-        done = self._staging[2][slot]
-        if done is not None:
-            done.synchronize()
-        for side, full, stage in zip(("k", "v"), buffers, (self._staging[0][slot], self._staging[1][slot]), strict=True):
-            _copy_block(_host_view(stage)[:, :, : hi - lo, :], entry.tensors[side][:, :, : hi - lo, :],
-                        entry.dtypes[side], dtype)
-            full[:, 0, :, lo:hi, :].copy_(stage[:, :, : hi - lo, :], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._staging[2][slot] = event
+            out = tuple(t.view(torch.bfloat16) for t in out)
+        return out[0], out[1]
 
     def _finish(self, buffers: tuple[Any, Any], n: int) -> list[tuple[Any, Any, int]]:
         full_k, full_v = buffers
@@ -444,9 +495,17 @@ class PrefixCache:
             with torch.no_grad():
                 k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
                 v = torch.stack([layer_v[0, :, lo:hi, :] for _, layer_v in kv])
-            self.store.put(keys[b], {"k": self._to_stored(k), "v": self._to_stored(v)}, kind=KIND,
-                           cost_s=seconds_per_token * self.block_tokens, parent=keys[b - 1] if b else None,
-                           meta={"block": str(b), "tokens": str(self.block_tokens)})
+            parent = keys[b - 1] if b else None
+            if self.store.put(keys[b], {"k": self._to_stored(k), "v": self._to_stored(v)}, kind=KIND,
+                              cost_s=seconds_per_token * self.block_tokens, parent=parent,
+                              meta={"block": str(b), "tokens": str(self.block_tokens)}):
+                # A later prompt that leaves this block part-way (a new question after the same
+                # document) finds it from the block before, like a tail, and reuses what it shares.
+                # It holds the block's token ids only: the block's key follows from them.
+                # A child of the block it names, so it goes when the block goes.
+                self.store.put(self._tail_key(parent, int(ids[lo])), {"tokens": ids[lo:hi].astype(np.int32)},
+                               kind=KIND, cost_s=seconds_per_token * self.block_tokens, parent=keys[b],
+                               meta={"full": str(b)})
             stored += 1
         lo = last_block * self.block_tokens
         if n > lo:
@@ -489,7 +548,7 @@ class PrefixCache:
         kwargs = {self._cache_arg: cache} if cache is not None else {}
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.model(chunk, use_cache=True, **kwargs)
+            out = self.model(chunk, use_cache=True, **kwargs, **self._last_only)
         seconds = time.perf_counter() - t0
         if stop > start:
             self._prefill_tps = (stop - start) / max(seconds, 1e-9)
@@ -807,6 +866,26 @@ def _reserved_layer_class() -> Any:
 
     _RESERVED = _ReservedLayer
     return _RESERVED
+
+
+def _fresh_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Anonymous memory whose pages a background thread faults in while the request fingerprints the model.
+
+    New memory costs a page fault and a zero-fill per page on first write (~1.5 GB/s on the
+    2-core VM, more than the copy itself). Started here, that work overlaps the fingerprint
+    and the first block reads instead of stalling them. Plain pages, not transparent huge
+    pages: on a fragmented machine their compaction stalled the first write for ~0.5 s (measured).
+    """
+    size = max(1, int(np.prod(shape)) * dtype.itemsize)
+    area = mmap.mmap(-1, size)
+
+    def populate() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            area.madvise(23)  # MADV_POPULATE_WRITE (Linux >= 5.14); elsewhere pages fault in as written
+
+    if hasattr(area, "madvise") and sys.platform.startswith("linux"):
+        threading.Thread(target=populate, name="promptstore-kv-populate", daemon=True).start()
+    return np.frombuffer(area, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 def _host_view(t: Any) -> np.ndarray:

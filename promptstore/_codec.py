@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -29,7 +29,7 @@ from ._entry import Entry
 from ._keys import coerce_key
 from .errors import CorruptEntryError, EntryVersionError, InvalidEntryError, UnsupportedDtypeError
 
-__all__ = ["ENTRY_VERSION", "encode", "build", "decode", "prepare"]
+__all__ = ["ENTRY_VERSION", "encode", "build", "decode", "prepare", "parse_header", "check_digest", "make_entry", "Header"]
 
 ENTRY_VERSION = 2
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -227,22 +227,39 @@ def _corrupt(msg: str) -> CorruptEntryError:
     return CorruptEntryError(msg)
 
 
-def decode(buf: bytes | bytearray | memoryview | np.ndarray[Any, Any], *, expect_key: bytes | None = None,
-           verify: bool = True) -> Entry:
-    """Decode one entry from its bytes; arrays are read-only views of ``buf``.
+class Header(NamedTuple):
+    """An entry's parsed and validated header (everything but the tensor bytes and the checksum's result)."""
+
+    key: bytes
+    kind: str
+    namespace: str
+    parent: bytes | None
+    cost_s: float
+    ttl_s: float | None
+    meta: dict[str, str]
+    checksum: str
+    unchecked: dict[str, Any]  # the header as the checksum covers it
+    spans: list[tuple[int, int, str, str, np.dtype, list[int]]]  # begin, end, name, st dtype, np dtype, shape
+    start: int  # where the tensor bytes begin
+    total: int
+
+
+def parse_header(view: memoryview, total: int, *, expect_key: bytes | None = None) -> Header:
+    """Parse and validate the header at the start of ``view`` for an entry of ``total`` bytes.
+
+    ``view`` needs only to hold the header (8 bytes of length, then the JSON).
 
     Raises:
-        CorruptEntryError: anything malformed, a checksum mismatch, or a key other than ``expect_key``.
-        EntryVersionError: a well-formed entry of another format version (checked before its checksum,
-            whose definition may differ between versions).
+        CorruptEntryError: anything malformed, or a key other than ``expect_key``.
+        EntryVersionError: a well-formed entry of another format version.
     """
-    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
-    total = view.nbytes
-    if total < 8:
+    if total < 8 or view.nbytes < 8:
         raise _corrupt(f"{total} bytes is too short for an entry")
     hlen = int.from_bytes(view[:8], "little")
     if hlen > total - 8 or hlen > MAX_HEADER_BYTES:
         raise _corrupt(f"header length {hlen} does not fit in {total} bytes")
+    if view.nbytes < 8 + hlen:
+        raise _corrupt(f"short read: {view.nbytes} bytes for a {hlen}-byte header")
     try:
         header = json.loads(bytes(view[8 : 8 + hlen]))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -299,30 +316,56 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray[Any, Any], *, expect
         cursor = e
     if cursor != data_len:
         raise _corrupt(f"tensor bytes cover {cursor} of {data_len} bytes (truncated or padded file)")
+    unchecked = {**header, "__metadata__": {k: v for k, v in md.items() if k != "checksum"}}
+    return Header(key, kind, namespace, parent, cost_s, ttl_s, meta, checksum, unchecked, spans, start, total)
+
+
+def check_digest(head: Header, digest: Any) -> None:
+    """Finish ``digest`` (xxh3-128 already fed the tensor bytes in file order) and compare it.
+
+    Raises:
+        CorruptEntryError: a checksum mismatch or an unknown checksum.
+    """
+    algo, _, want = head.checksum.partition(":")
+    if algo != "xxh3_128":
+        raise _corrupt(f"unknown checksum {algo!r}")
+    try:
+        digest.update(_canonical(head.unchecked))
+    except (RecursionError, ValueError) as exc:
+        raise _corrupt(f"header cannot be checked: {exc!r}") from None
+    if digest.hexdigest() != want:
+        raise _corrupt("checksum mismatch: the entry changed since it was written")
+
+
+def make_entry(head: Header, tensors: dict[str, np.ndarray], blob: Any) -> Entry:
+    """The :class:`Entry` of a parsed header and its tensors."""
+    return Entry(
+        key=head.key, kind=head.kind, tensors=tensors, dtypes={s[2]: s[3] for s in head.spans}, meta=head.meta,
+        parent=head.parent, cost_s=head.cost_s, size=head.total, namespace=head.namespace, ttl_s=head.ttl_s,
+        blob=blob,
+    )
+
+
+def decode(buf: bytes | bytearray | memoryview | np.ndarray[Any, Any], *, expect_key: bytes | None = None,
+           verify: bool = True) -> Entry:
+    """Decode one entry from its bytes; arrays are read-only views of ``buf``.
+
+    Raises:
+        CorruptEntryError: anything malformed, a checksum mismatch, or a key other than ``expect_key``.
+        EntryVersionError: a well-formed entry of another format version (checked before its checksum,
+            whose definition may differ between versions).
+    """
+    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
+    head = parse_header(view, view.nbytes, expect_key=expect_key)
     if verify:
-        algo, _, want = checksum.partition(":")
-        if algo != "xxh3_128":
-            raise _corrupt(f"unknown checksum {algo!r}")
-        digest = xxhash.xxh3_128(view[start:])
-        unchecked = {k: v for k, v in md.items() if k != "checksum"}
-        try:
-            digest.update(_canonical({**header, "__metadata__": unchecked}))
-        except (RecursionError, ValueError) as exc:
-            raise _corrupt(f"header cannot be checked: {exc!r}") from None
-        if digest.hexdigest() != want:
-            raise _corrupt("checksum mismatch: the entry changed since it was written")
+        check_digest(head, xxhash.xxh3_128(view[head.start :]))
     tensors: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    for b, e, name, st, dtype, shape in sorted(spans, key=lambda s: s[2]):
+    for b, e, name, _, dtype, shape in sorted(head.spans, key=lambda s: s[2]):
         if e > b:
-            arr = np.frombuffer(buf, dtype=dtype, count=(e - b) // dtype.itemsize, offset=start + b).reshape(tuple(shape))
-            arr.flags.writeable = False
+            arr = np.frombuffer(buf, dtype=dtype, count=(e - b) // dtype.itemsize,
+                                offset=head.start + b).reshape(tuple(shape))
         else:
             arr = np.empty(tuple(shape), dtype=dtype)
-            arr.flags.writeable = False
+        arr.flags.writeable = False
         tensors[name] = arr
-        dtypes[name] = st
-    return Entry(
-        key=key, kind=kind, tensors=tensors, dtypes=dtypes, meta=meta, parent=parent, cost_s=cost_s,
-        size=total, namespace=namespace, ttl_s=ttl_s, blob=buf,
-    )
+    return make_entry(head, tensors, buf)

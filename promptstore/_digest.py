@@ -1,14 +1,29 @@
-"""Digests that fingerprints are built from: files (memoised) and named tensors (never memoised).
+"""Digests that fingerprints are built from: files and named tensors.
 
 Both adapters name weights with these, so a file or a tensor gets the same digest whichever
 adapter looks at it. Names and tensors are framed with length prefixes, like keys: a name can
 hold any character without colliding with the next field.
+
+Tensor bytes are never trusted from a memo by themselves: torch's version counters miss
+writes through ``param.data`` (issue #10). The one exception is proven by the kernel. A
+tensor that lies in a private mapping of a file (transformers and safetensors load weights
+that way) and whose pages are all still the file's pages (a write would have copied the
+page into anonymous memory, which ``/proc/self/pagemap`` shows) holds exactly the file's
+bytes at that offset. Their digest is then memoised by the file's identity (device, inode,
+size, mtime, ctime) in a small SQLite file shared by processes, so a fresh process names a
+model loaded from files without reading its weights (issue #12). The digest is the same
+xxh3-128 either way: keys agree whether the bytes were hashed or their digest recalled.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
+import re
+import sqlite3
 import sys
+import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,27 +32,211 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["file_digest", "digest_tensors"]
+__all__ = ["file_digest", "digest_tensors", "digest_memo_path"]
 
-_files: dict[tuple[str, int, int], str] = {}
+# A file changed within this many seconds of its last stat may share its timestamps with the
+# content we hashed (timestamps are coarse): such digests are used but never remembered.
+_RACY_S = 2.0
+_MAPPED_MIN_BYTES = 1 << 16  # smaller tensors are hashed: cheaper than looking at their pages
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def digest_memo_path() -> Path | None:
+    """Where file digests are remembered between processes.
+
+    ``$PROMPTSTORE_DIGESTS`` (a file path; empty turns the memo off), else
+    ``digests.sqlite3`` in the user cache folder ``promptstore-digests``.
+    """
+    env = os.environ.get("PROMPTSTORE_DIGESTS")
+    if env is not None:
+        return Path(env).expanduser() if env else None
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("promptstore-digests", appauthor=False)) / "digests.sqlite3"
+
+
+class _Memo:
+    """(file identity, offset, length) -> xxh3-128 of those bytes: in process, and in SQLite across processes.
+
+    The SQLite file is a cache: if it cannot be opened or written, digests are computed
+    as if it were empty (never an error).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[tuple[Identity, int, int], bytes] = {}
+        self._loaded: set[Identity] = set()
+        self._db: sqlite3.Connection | None = None
+        self._db_path: Path | None = None
+        self._broken = False
+
+    def _conn(self) -> sqlite3.Connection | None:
+        path = digest_memo_path()
+        if path != self._db_path:
+            if self._db is not None:
+                self._db.close()
+            self._db, self._db_path, self._broken, self._loaded = None, path, False, set()
+        if self._db is None and path is not None and not self._broken:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")  # a lost row is recomputed, never wrong
+                db.execute("CREATE TABLE IF NOT EXISTS digests (dev INTEGER, ino INTEGER, size INTEGER, "
+                           "mtime_ns INTEGER, ctime_ns INTEGER, offset INTEGER, length INTEGER, digest BLOB, "
+                           "PRIMARY KEY (dev, ino, size, mtime_ns, ctime_ns, offset, length)) WITHOUT ROWID")
+                self._db = db
+            except (sqlite3.Error, OSError):
+                self._broken = True
+        return self._db
+
+    def get(self, ident: Identity, offset: int, length: int) -> bytes | None:
+        with self._lock:
+            if ident not in self._loaded:
+                self._loaded.add(ident)
+                db = self._conn()
+                if db is not None:
+                    try:
+                        rows = db.execute("SELECT offset, length, digest FROM digests WHERE dev=? AND ino=? AND "
+                                          "size=? AND mtime_ns=? AND ctime_ns=?", ident).fetchall()
+                    except sqlite3.Error:
+                        rows = []
+                    for off, n, d in rows:
+                        if isinstance(d, bytes) and len(d) == 16:
+                            self._known[(ident, off, n)] = d
+            return self._known.get((ident, offset, length))
+
+    def put(self, rows: list[tuple[Identity, int, int, bytes]]) -> None:
+        """Remember ``(identity, offset, length, digest)`` rows, in one transaction."""
+        if not rows:
+            return
+        with self._lock:
+            for ident, offset, length, digest in rows:
+                self._known[(ident, offset, length)] = digest
+            db = self._conn()
+            if db is not None:
+                try:
+                    with db:
+                        db.execute("BEGIN")
+                        db.executemany("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                       [(*ident, off, n, d) for ident, off, n, d in rows])
+                except sqlite3.Error:
+                    pass
+
+
+_memo = _Memo()
+
+
+def _identity(st: os.stat_result) -> Identity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """xxh3-128 of a file's bytes, memoised by (resolved path, size, mtime): read once per process.
+    """xxh3-128 of a file's bytes, read once per file version on this machine.
+
+    Remembered by the file's device, inode, size, mtime and ctime (in this process and in
+    :func:`digest_memo_path`), so a fresh process does not read it again. A file changed in
+    the last two seconds is hashed every time until its timestamps settle.
 
     Raises:
         FileNotFoundError: no such file.
     """
-    p = Path(path).resolve()
-    st = p.stat()
-    memo = (str(p), st.st_size, st.st_mtime_ns)
-    if memo not in _files:
+    st = os.stat(path)
+    ident = _identity(st)
+    known = _memo.get(ident, 0, st.st_size)
+    if known is not None:
+        return known.hex()
+    with open(path, "rb") as f:
+        before = os.fstat(f.fileno())
         h = xxhash.xxh3_128()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        _files[memo] = h.hexdigest()
-    return _files[memo]
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+        digest = h.digest()
+        after = os.fstat(f.fileno())
+    if _identity(before) == _identity(after) == ident and _settled(ident):
+        _memo.put([(ident, 0, st.st_size, digest)])
+    return digest.hex()
+
+
+# A private mapping of a file: "start-end perms offset major:minor inode path".
+_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) [r-][w-][x-]p ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) ([1-9][0-9]*) +(/.*)$",
+                        re.MULTILINE)
+
+
+class _Pages:
+    """Which private file mappings of this process still hold only the file's own pages (Linux).
+
+    Read once per :func:`digest_tensors` call: ``/proc/self/maps`` for the mappings, and
+    ``/proc/self/pagemap`` for the pages of each mapping a tensor lies in (8 bytes per 4 KB page).
+    """
+
+    def __init__(self) -> None:
+        self.maps: list[tuple[int, int, int, int, int, str]] = []  # start, end, offset, dev, inode, path
+        self.starts: list[int] = []
+        self.pagemap: int | None = None
+        self.stats: dict[str, os.stat_result | None] = {}
+        self._bad: dict[int, np.ndarray | None] = {}  # mapping start -> running count of pages not the file's
+        try:
+            with open("/proc/self/maps") as f:
+                text = f.read()
+            for m in _MAPS_LINE.finditer(text):
+                start, end, offset, major, minor = (int(m.group(i), 16) for i in range(1, 6))
+                self.maps.append((start, end, offset, os.makedev(major, minor), int(m.group(6)), m.group(7)))
+            self.maps.sort()
+            self.starts = [m[0] for m in self.maps]
+            self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+        except (OSError, ValueError, IndexError, AttributeError):
+            self.maps, self.starts = [], []
+
+    def close(self) -> None:
+        if self.pagemap is not None:
+            os.close(self.pagemap)
+            self.pagemap = None
+
+    def _bad_pages(self, start: int, end: int) -> np.ndarray | None:
+        if start not in self._bad:
+            assert self.pagemap is not None
+            n = (end - start) // _PAGE
+            try:
+                raw = os.pread(self.pagemap, n * 8, start // _PAGE * 8)
+            except OSError:
+                raw = b""
+            if len(raw) != n * 8:
+                self._bad[start] = None
+            else:
+                e = np.frombuffer(raw, "<u8")
+                present, swapped, file_page = e >> np.uint64(63), (e >> np.uint64(62)) & 1, (e >> np.uint64(61)) & 1
+                # A written page was copied into anonymous memory: present but no longer a file page,
+                # or swapped out. A page never touched is not present and will be read from the file.
+                bad = (swapped | (present & (file_page ^ 1))).astype(np.int64)
+                self._bad[start] = np.concatenate([[0], np.cumsum(bad)])
+        return self._bad[start]
+
+    def file_range(self, addr: int, nbytes: int) -> tuple[Identity, int] | None:
+        """(identity of the file, offset) whose bytes these are, if every page is still the file's."""
+        if self.pagemap is None:
+            return None
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0 or addr + nbytes > self.maps[i][1]:
+            return None
+        start, end, offset, dev, ino, path = self.maps[i]
+        if path not in self.stats:
+            try:
+                self.stats[path] = os.stat(path)
+            except OSError:
+                self.stats[path] = None
+        st = self.stats[path]
+        if st is None or st.st_ino != ino or st.st_dev != dev:
+            return None  # replaced or deleted since it was mapped
+        bad = self._bad_pages(start, end)
+        first, last = (addr - start) // _PAGE, (addr + nbytes - 1 - start) // _PAGE
+        if bad is None or bad[last + 1] != bad[first]:
+            return None
+        return _identity(st), offset + (addr - start)
 
 
 def _frame(h: xxhash.xxh3_128, data: bytes) -> None:
@@ -65,39 +264,60 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray]:
     return str(t.dtype), tuple(t.shape), ident, data
 
 
-_CHUNK_WORDS = 1 << 24  # 16M words: temporaries of 128 MB at most
+_CHUNK_WORDS = 1 << 24  # 16M words per step: temporaries of 64 MB at most
+_MULTIPLIERS: dict[Any, tuple[Any, Any]] = {}  # device -> two int32 vectors of odd per-position multipliers
+
+
+def _multipliers(torch: Any, device: Any) -> tuple[Any, Any]:
+    """Odd, pseudo-random int32 multipliers for the positions of a chunk (made once per device)."""
+    key = str(device)
+    if key not in _MULTIPLIERS:
+        i = torch.arange(_CHUNK_WORDS, dtype=torch.int64, device=device)
+        a = (i * -7046029254386353131 + 7256917087563474969) >> 32  # 0x9E3779B97F4A7C15, 0x64B5F4F1A1E03E19
+        b = (i * -4658895280553007687 + 1442695040888963407) >> 32  # 0xBF58476D1CE4E5B9, Knuth's LCG increment
+        _MULTIPLIERS[key] = ((a | 1).to(torch.int32), (b | 1).to(torch.int32))
+    return _MULTIPLIERS[key]
 
 
 def device_word_digest(torch: Any, flat: Any) -> np.ndarray:
-    """Two position-weighted sums of a tensor's 32-bit words, mod 2**64, computed where it lives.
+    """Two position-weighted sums of a tensor's 32-bit words, computed where it lives (16 bytes come back).
 
-    Every weight is odd, so changing any single word changes both sums; unrelated edits
-    collide with probability about 2**-128. Used for tensors on accelerators (and tested on
-    the CPU): 16 bytes cross to the host instead of the tensor.
+    Within a chunk of 16M words, word ``i`` is multiplied by odd int32 multipliers (products
+    wrap mod 2**32) and summed; each chunk's sums are weighted by an odd function of the chunk's
+    index, mod 2**64. Changing any single word changes both sums; unrelated edits collide with
+    probability about 2**-64 per sum. int32 passes over the weights, not int64 ones: a few
+    reads of each weight on the device instead of a host copy of all of them.
     """
     raw = flat.view(torch.uint8)
     if raw.numel() % 4:
         raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
     words = raw.view(torch.int32)
+    ma, mb = _multipliers(torch, flat.device)
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for lo in range(0, words.numel(), _CHUNK_WORDS):
-        x = words[lo : lo + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        i = torch.arange(lo, lo + x.numel(), dtype=torch.int64, device=flat.device)
-        a = i * -7046029254386353131 + 7256917087563474969  # 0x9E3779B97F4A7C15, 0x64B5F4F1A1E03E19
-        b = i * -4658895280553007687 + 1442695040888963407  # 0xBF58476D1CE4E5B9, Knuth's LCG increment
-        sums[0] += (x * (a | 1)).sum()  # int64 products and sums wrap: arithmetic mod 2**64
-        sums[1] += ((x ^ (x << 17)) * (b | 1)).sum()
+    for c, lo in enumerate(range(0, words.numel(), _CHUNK_WORDS)):
+        x = words[lo : lo + _CHUNK_WORDS]
+        n = x.numel()
+        s0 = (x * ma[:n]).sum(dtype=torch.int64)
+        s1 = ((x ^ (x << 13)) * mb[:n]).sum(dtype=torch.int64)
+        sums[0] += s0 * ((c * 2654435761 + 1) | 1)  # int64 arithmetic wraps: mod 2**64
+        sums[1] += s1 * ((c * 40503 + 7) | 1)
     out: np.ndarray = sums.cpu().numpy().view(np.uint8)
     return out
 
 
-def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
-    """xxh3-128 over the name, dtype, shape and raw bytes of each tensor, in the order given.
+def _hash_bytes(data: np.ndarray) -> bytes:
+    return xxhash.xxh3_128_digest(data.data) if data.size else xxhash.xxh3_128_digest(b"")
 
-    The bytes are hashed on every call (about 15 GB/s on one core), never memoised: an
-    in-place write that no version counter sees (``param.data[...] += x``) still changes the
-    digest. A tensor shared under several names (tied weights) is hashed once, its other
-    names recorded as ties.
+
+def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
+    """xxh3-128 over the name, dtype, shape and the xxh3-128 of the raw bytes of each tensor, in order.
+
+    The bytes are hashed on every call (about 15 GB/s on one core), never memoised on
+    version counters: an in-place write that no version counter sees (``param.data[...] += x``)
+    still changes the digest. The one shortcut is proven by the kernel: a CPU tensor whose
+    pages are all still the pages of the file it was mapped from holds that file's bytes, and
+    their digest is recalled by the file's identity (see the module docstring). A tensor
+    shared under several names (tied weights) is hashed once, its other names recorded as ties.
 
     Args:
         label: what the tensors are (framed first).
@@ -106,31 +326,70 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
     h = xxhash.xxh3_128()
     _frame(h, label.encode())
     seen: dict[Any, str] = {}
-    big: list[tuple[int, np.ndarray]] = []
-    fields: list[bytes | np.ndarray] = []
-    for name, t in named:
-        dtype, shape, ident, data = _raw(t)
-        fields.append(_framed(name.encode("utf-8", "surrogatepass")))
-        if data.size and ident in seen:
-            fields.append(_framed(f"tied:{seen[ident]}".encode()))
-            continue
-        seen[ident] = name
-        fields.append(_framed(f"{dtype}{shape}".encode()) + data.size.to_bytes(8, "little"))
-        if data.size >= _PARALLEL_BYTES:
-            big.append((len(fields), data))
-            fields.append(b"")  # its digest, filled in below
-        else:
-            fields.append(data)
-    # xxh3 releases the GIL: large tensors are hashed on several cores, each to its own digest,
-    # and the digests go into the outer hash in order (SmolLM2's 540 MB: 37 ms -> 25 ms on 2 cores).
+    todo: list[tuple[int, np.ndarray, tuple[Identity, int] | None]] = []
+    fields: list[bytes] = []
+    pages: _Pages | None = None
+    try:
+        for name, t in named:
+            dtype, shape, ident, data = _raw(t)
+            fields.append(_framed(name.encode("utf-8", "surrogatepass")))
+            if data.size and ident in seen:
+                fields.append(_framed(f"tied:{seen[ident]}".encode()))
+                continue
+            seen[ident] = name
+            fields.append(_framed(f"{dtype}{shape}".encode()) + data.size.to_bytes(8, "little"))
+            where = None
+            if data.size >= _MAPPED_MIN_BYTES and sys.platform.startswith("linux") and "@device" not in dtype:
+                if pages is None:
+                    pages = _Pages()
+                where = pages.file_range(data.__array_interface__["data"][0], data.size)
+            known = _memo.get(where[0], where[1], data.size) if where is not None else None
+            if known is not None:
+                fields.append(known)
+            else:
+                todo.append((len(fields), data, where))
+                fields.append(b"")  # its digest, filled in below
+    finally:
+        if pages is not None:
+            pages.close()
+    # xxh3 releases the GIL: large tensors are hashed on several cores, each to its own digest
+    # (SmolLM2's 540 MB: 37 ms -> 25 ms on 2 cores).
+    big = [item for item in todo if item[1].size >= _PARALLEL_BYTES]
+    for slot, data, _ in todo:
+        if data.size < _PARALLEL_BYTES:
+            fields[slot] = _hash_bytes(data)
     if big:
         with ThreadPoolExecutor(max_workers=min(len(big), os.cpu_count() or 1, 8)) as pool:
-            for (slot, _), digest in zip(big, pool.map(lambda item: xxhash.xxh3_128_digest(item[1].data), big),
-                                         strict=True):
+            for (slot, _, _), digest in zip(big, pool.map(lambda item: _hash_bytes(item[1]), big), strict=True):
                 fields[slot] = digest
+    # Remembered only if the file is still the version whose pages were checked, and settled.
+    files: dict[Identity, bool] = {}
+    rows = []
+    for slot, data, where in todo:
+        if where is not None and _settled(where[0]):
+            if where[0] not in files:
+                files[where[0]] = _still(where[0], pages.stats if pages is not None else {})
+            if files[where[0]]:
+                rows.append((where[0], where[1], data.size, fields[slot]))
+    _memo.put(rows)
     for f in fields:
-        h.update(f if isinstance(f, bytes) else f.data)
+        h.update(f)
     return h.hexdigest()
+
+
+def _settled(ident: Identity) -> bool:
+    """Whether a digest of this file version may be remembered (its timestamps have settled)."""
+    return time.time() - max(ident[3], ident[4]) / 1e9 > _RACY_S
+
+
+def _still(ident: Identity, stats: dict[str, os.stat_result | None]) -> bool:
+    for path, st in stats.items():
+        if st is not None and _identity(st) == ident:
+            try:
+                return _identity(os.stat(path)) == ident
+            except OSError:
+                return False
+    return False
 
 
 _PARALLEL_BYTES = 1 << 20

@@ -237,13 +237,20 @@ class PromptStore:
             return False  # a chain never crosses tenants: another namespace's entry is no parent
         return all(self._guard(tier, "put", tier.put, a, default=False) for a in reversed(missing))
 
-    def get(self, key: Key | str, *, kind: str | None = None) -> Entry | None:
+    def get(self, key: Key | str, *, kind: str | None = None,
+            into: Mapping[str, np.ndarray] | None = None) -> Entry | None:
         """Return the entry stored under ``key``, or None.
 
         Args:
             key: 32 bytes or 64 hex characters.
             kind: if given, an entry of another kind is a miss, and misses are counted
                 under this kind in :meth:`stats`.
+            into: writable arrays to read tensors straight into, by name (any strides). A
+                stored tensor of the same dtype (numpy's view of its bits) and shape is
+                written there, read from the file without an intermediate copy and checked
+                against the entry's checksum, and comes back as that array; others come
+                back as usual. Such a hit is not promoted to the tiers above. On a miss the
+                arrays may hold partial data.
 
         Raises:
             InvalidKeyError: ``key`` is not a key.
@@ -253,7 +260,7 @@ class PromptStore:
         for i, tier in enumerate(self._tiers):
             # Inlined _guard: this is the hot path of every memory hit.
             try:
-                entry = tier.get(k, kind)
+                entry = tier.get(k, kind) if into is None else tier.get_into(k, kind, self.namespace, into)
             except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller
                 self._fault(tier, "get", exc)
                 entry = None
@@ -267,7 +274,7 @@ class PromptStore:
             for name in missed:
                 self._stats.miss(entry.kind, name)
             self._stats.hit(entry.kind, tier.name, entry.size, entry.cost_s)
-            for upper in self._tiers[:i]:
+            for upper in self._tiers[:i] if into is None else ():
                 # Promote quietly: an entry too big for a tier above just stays where it is.
                 if upper.sizeof(entry) <= upper.budget and (
                         entry.parent is None or self._guard(upper, "contains", upper.contains, entry.parent) is not None):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import promptstore._digest as digest
+from conftest import run_python
 from promptstore import digest_tensors
 
 
@@ -26,11 +27,16 @@ def test_one_element_changed_anywhere_changes_both_digests(n, where, dtype):
     assert dev == digest.device_word_digest(torch, t.clone()).tobytes() != digest.device_word_digest(torch, u).tobytes()
 
 
-def test_device_digest_does_not_depend_on_chunking(monkeypatch):
-    t = torch.randn(10_001)
+def test_device_digest_sees_chunks_moved_or_swapped(monkeypatch):
+    monkeypatch.setattr(digest, "_CHUNK_WORDS", 1000)
+    monkeypatch.setattr(digest, "_MULTIPLIERS", {})
+    t = torch.randn(4000)
     whole = digest.device_word_digest(torch, t).tobytes()
-    monkeypatch.setattr(digest, "_CHUNK_WORDS", 997)
-    assert digest.device_word_digest(torch, t).tobytes() == whole
+    assert digest.device_word_digest(torch, t.clone()).tobytes() == whole
+    swapped = torch.cat([t[1000:2000], t[:1000], t[2000:]])  # the same words, two chunks swapped
+    assert digest.device_word_digest(torch, swapped).tobytes() != whole
+    shifted = torch.cat([t[1:], t[:1]])
+    assert digest.device_word_digest(torch, shifted).tobytes() != whole
 
 
 def test_names_dtypes_shapes_and_ties_are_part_of_the_digest():
@@ -44,3 +50,63 @@ def test_names_dtypes_shapes_and_ties_are_part_of_the_digest():
     assert digest_tensors("m", [("a", np.ones(3, np.float32))]) == digest_tensors("m", [("a", np.ones(3, np.float32))])
     with pytest.raises(TypeError):
         digest_tensors("m", [("a", [1, 2, 3])])
+
+
+# -- issue #12: weights mapped from files are named by the files, proven by their pages ---------------
+N = 1 << 18  # 1 MB of float32: above the size where pages are looked at instead of hashing
+
+
+@pytest.fixture
+def weights_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)  # written just now: let its digests be remembered
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(tmp_path / "digests.sqlite3"))
+    path = tmp_path / "w.bin"
+    path.write_bytes(np.random.default_rng(0).standard_normal(N).astype(np.float32).tobytes())
+    return path
+
+
+def _mapped(path):
+    t = torch.from_file(str(path), shared=False, size=N, dtype=torch.float32)  # a private mapping, like safetensors
+    pages = digest._Pages()
+    assert pages.file_range(t.data_ptr(), N * 4) is not None
+    pages.close()
+    return t
+
+
+def test_a_mapped_tensor_has_the_digest_of_its_bytes_and_a_write_changes_it(weights_file):
+    t = _mapped(weights_file)
+    hashed = digest_tensors("w", [("w", t.clone())])  # the same bytes in anonymous memory: hashed
+    assert digest_tensors("w", [("w", t)]) == hashed  # from the file's pages, then remembered
+    assert digest_tensors("w", [("w", t)]) == hashed  # recalled
+    t.data[12345] += 1.0  # the written page becomes the process's own copy: no longer the file's
+    assert digest_tensors("w", [("w", t)]) == digest_tensors("w", [("w", t.clone())]) != hashed
+
+
+def test_a_file_rewritten_in_place_changes_the_digest_of_its_mapped_pages(weights_file):
+    t = _mapped(weights_file)
+    before = digest_tensors("w", [("w", t)])
+    with open(weights_file, "r+b") as f:  # another process rewrites the file: pages not copied follow it
+        f.seek(4 * 777)
+        f.write(np.float32(42.0).tobytes())
+    assert float(t[777]) == 42.0
+    assert digest_tensors("w", [("w", t)]) == digest_tensors("w", [("w", t.clone())]) != before
+
+
+def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file):
+    t = _mapped(weights_file)
+    parent = digest_tensors("w", [("w", t)])
+    code = f"""
+        import numpy as np, torch
+        import promptstore._digest as digest
+        hashed = []
+        real = digest._hash_bytes
+        digest._hash_bytes = lambda data: (hashed.append(data.size), real(data))[1]
+        t = torch.from_file({str(weights_file)!r}, shared=False, size={N}, dtype=torch.float32)
+        child = digest.digest_tensors("w", [("w", t)])
+        assert child == {parent!r}, child
+        assert {N * 4} not in hashed, hashed  # recalled from the memo, not read
+        t.data[3] = 7.0
+        assert digest.digest_tensors("w", [("w", t)]) != {parent!r}
+        print("ok")
+    """
+    assert run_python(code).stdout.strip() == "ok"

@@ -244,8 +244,9 @@ def test_newer_index_schema_is_refused(tmp_path):
 
 
 # -- corrupt entries and failing writes are misses -------------------------------------------
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_into"])
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
-def test_corrupt_entry_file_is_a_dropped_miss(tmp_path, damage):
+def test_corrupt_entry_file_is_a_dropped_miss(tmp_path, damage, into):
     with PromptStore(tmp_path / "s", memory_bytes=0) as s:
         bad, good = s.key("t", "bad"), s.key("t", "good")
         s.put(bad, {"x": arr(1, 1000)}, kind="t")
@@ -262,7 +263,7 @@ def test_corrupt_entry_file_is_a_dropped_miss(tmp_path, damage):
             data = bytearray(os.urandom(len(data)))
         f.write_bytes(data)
         with pytest.warns(PromptStoreWarning, match="corrupt"):
-            assert s.get(bad) is None
+            assert s.get(bad, into={"x": np.zeros(1000, np.float32)} if into else None) is None
         assert not f.exists() and bad not in s  # dropped
         assert_same_tensors(s.get(good).tensors, {"x": arr(2)})
         assert s.verify()["ok"]

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
+import promptstore._digest as digest
 from promptstore import PromptStore
 from promptstore.llm import PrefixCache
 from promptstore.vision import OpenCLIPTextEncoder, set_classes
@@ -25,10 +26,23 @@ EDITS = ["no_grad_in_place", "data_assignment", "in_place_on_data", "half_then_f
          "load_state_dict", "submodule_swap", "lora_merge"]
 
 
-def _llama(seed: int = 0) -> LlamaForCausalLM:
+def _llama(seed: int = 0, hidden: int = 64) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def _mapped_llama(folder, monkeypatch) -> LlamaForCausalLM:
+    """A model loaded from safetensors files, its weights still the file's pages (the fingerprint's shortcut, #12)."""
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)  # the files were written just now: let their digests be memoised
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(folder / "digests.sqlite3"))
+    _llama(hidden=256).save_pretrained(folder / "model")
+    model = LlamaForCausalLM.from_pretrained(folder / "model").eval()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    pages = digest._Pages()
+    assert pages.file_range(q.data_ptr(), q.numel() * q.element_size()) is not None, "weights are not file-mapped"
+    pages.close()
+    return model
 
 
 def _edit(module: torch.nn.Module, weight: torch.nn.Parameter, how: str, other: torch.nn.Module,
@@ -61,14 +75,18 @@ def _edit(module: torch.nn.Module, weight: torch.nn.Parameter, how: str, other: 
     return module
 
 
+@pytest.mark.parametrize("source", ["built", "mapped"])
 @pytest.mark.parametrize("how", EDITS)
-def test_llm_edit_is_detected(how, tmp_path):
-    model = _llama()
+def test_llm_edit_is_detected(how, source, tmp_path, monkeypatch):
+    """Built in memory (hashed every time) or loaded from files (named by the files while their pages are untouched)."""
+    model = _llama() if source == "built" else _mapped_llama(tmp_path, monkeypatch)
+    hidden = model.config.hidden_size
     ids = np.random.default_rng(0).integers(0, 300, 50).tolist()
     with PromptStore(tmp_path / "s") as store:
         PrefixCache(model, None, store=store, block_tokens=8).prefill(ids)  # blocks of the unedited weights
         swap = (model.model.layers[1], "mlp", LlamaMLP(model.config))
-        model = _edit(model, model.model.layers[0].self_attn.q_proj.weight, how, _llama(seed=1), swap).eval()
+        model = _edit(model, model.model.layers[0].self_attn.q_proj.weight, how, _llama(seed=1, hidden=hidden),
+                      swap).eval()
         served = _served_after(model, store, ids, f"scores after {how}")
         assert served == [0, len(ids) - 1], served  # the old entries missed, the new ones then hit (all but the last token)
 

@@ -45,6 +45,24 @@ class TierContract:
         assert (got.kind, got.cost_s, got.meta, got.parent) == ("k", 1.5, {"m": "v"}, None)
         assert got.size == e.size
 
+    def test_get_into_writes_matching_tensors_into_strided_arrays(self, tier):
+        rng = np.random.default_rng(1)
+        k = rng.standard_normal((3, 2, 4, 5)).astype(np.float32)
+        tensors = {"k": k, "ids": np.arange(4, dtype=np.int32), "h": k.astype(np.float16)}
+        tier.put(make_entry(key_of(1), tensors, kind="kv", namespace="t"))
+        big = np.zeros((3, 1, 2, 9, 5), np.float32)
+        wrong = np.zeros((3, 2, 4, 5), np.float32)  # "h" is float16: not written, returned as usual
+        got = tier.get_into(key_of(1), "kv", "t", {"k": big[:, 0, :, 2:6, :], "h": wrong})
+        assert got is not None and np.array_equal(big[:, 0, :, 2:6, :], k)
+        assert not big[:, :, :, :2].any() and not big[:, :, :, 6:].any() and not wrong.any()
+        assert got.tensors["k"].base is not None and np.shares_memory(got.tensors["k"], big)
+        assert_same_tensors({n: got.tensors[n] for n in ("ids", "h")}, {n: tensors[n] for n in ("ids", "h")})
+        # Another namespace or kind is a miss that writes nothing.
+        for kind, ns in (("kv", "other"), ("other", "t")):
+            dst = np.zeros((3, 2, 4, 5), np.float32)
+            got = tier.get_into(key_of(1), kind, ns, {"k": dst})
+            assert (got is None or got.namespace != ns or got.kind != kind) and not dst.any()
+
     def test_missing_key_is_none(self, tier):
         assert tier.get(key_of("absent")) is None
         assert tier.peek(key_of("absent")) is None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import numpy as np
 
 from .._entry import Entry, EntryInfo
 from ..errors import PromptStoreWarning
@@ -56,6 +59,24 @@ class Tier(ABC):
     @abstractmethod
     def get(self, key: bytes, kind: str | None = None) -> Entry | None:
         """Return the entry and count a hit, or None (``kind`` names what a miss was for)."""
+
+    def get_into(self, key: bytes, kind: str | None, namespace: str, into: Mapping[str, np.ndarray]) -> Entry | None:
+        """``get``, with each tensor named in ``into`` written into that array when dtype and shape match.
+
+        Such tensors come back as the given arrays; the others as usual. An entry of another
+        namespace or kind is a miss and writes nothing. Tiers that read bytes override this
+        to read them straight into the arrays (one copy); here, the entry is copied.
+        """
+        entry = self.get(key, kind)
+        if entry is None or entry.namespace != namespace or (kind is not None and entry.kind != kind):
+            return entry
+        tensors = dict(entry.tensors)
+        for name, dst in into.items():
+            src = tensors.get(name)
+            if src is not None and src.dtype == dst.dtype and src.shape == dst.shape:
+                np.copyto(dst, src)
+                tensors[name] = dst
+        return dataclasses.replace(entry, tensors=tensors)
 
     @abstractmethod
     def peek(self, key: bytes) -> Entry | None:

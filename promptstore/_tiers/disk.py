@@ -25,15 +25,16 @@ import sqlite3
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from tqdm import tqdm
 
 from .. import _policy
-from .._codec import decode
+from .._codec import MAX_HEADER_BYTES, check_digest, decode, make_entry, parse_header
 from .._entry import Entry, EntryInfo
 from ..errors import CorruptEntryError, EntryVersionError, FormatVersionError, PromptStoreWarning, StorePathError
 from .base import Clock, SizeOf, Tier
@@ -367,8 +368,13 @@ class DiskTier(Tier):
                 with self._txn():
                     pass
 
-    def _read(self, key: bytes) -> tuple[Entry, tuple[int, float]] | None:
-        """Read and verify the entry file of ``key``; None if it has no row or file."""
+    def _read(self, key: bytes, into: Mapping[str, np.ndarray] | None = None, kind: str | None = None,
+              namespace: str | None = None) -> tuple[Entry, tuple[int, float]] | None:
+        """Read and verify the entry file of ``key``; None if it has no row or file.
+
+        With ``into``, see :meth:`get_into`: the header is checked first (an entry of another
+        namespace or kind writes nothing), then matching tensors are read straight into the arrays.
+        """
         with self._lock:
             row = self._conn().execute(
                 "SELECT file, expires, ttl, hits, created FROM entries WHERE key = ?", (key,)
@@ -387,24 +393,26 @@ class DiskTier(Tier):
             return None
         try:
             with open(self.entries_dir / file, "rb", buffering=0) as f:
+                if into is not None:
+                    entry = _read_into(f.fileno(), key, into, kind, namespace)
+                    return None if entry is None else (entry, (hits + (pending[0] if pending else 0), created))
                 size = os.fstat(f.fileno()).st_size
                 # np.empty skips the zero-fill a bytearray would do: one pass less over the bytes.
                 buf = np.empty(size, dtype=np.uint8)
-                view = buf.data
-                got = 0
-                while got < size:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+                got = _pread_all(f.fileno(), [buf.data], 0)
         except FileNotFoundError:
             return None  # evicted or replaced by another process since the row was read
+        except EntryVersionError:
+            return None  # another release's entry: a miss, and left for that release
+        except CorruptEntryError as exc:
+            self._drop_corrupt(key, file, str(exc))
+            return None
         try:
             if got != size:
                 raise CorruptEntryError(f"short read: {got} of {size} bytes")
             return decode(buf, expect_key=key), (hits + (pending[0] if pending else 0), created)
         except EntryVersionError:
-            return None  # another release's entry: a miss, and left for that release
+            return None
         except CorruptEntryError as exc:
             self._drop_corrupt(key, file, str(exc))
             return None
@@ -433,8 +441,9 @@ class DiskTier(Tier):
                 _unlink(self.entries_dir / r.file)
 
     # -- Tier ----------------------------------------------------------------------------
-    def get(self, key: bytes, kind: str | None = None) -> Entry | None:
-        found = self._read(key)
+    def get(self, key: bytes, kind: str | None = None,
+            _into: tuple[Mapping[str, np.ndarray], str] | None = None) -> Entry | None:
+        found = self._read(key) if _into is None else self._read(key, _into[0], kind, _into[1])
         if found is None:
             with self._lock:
                 self._pending[kind or "unknown"] = self._pending.get(kind or "unknown", 0) + 1
@@ -453,6 +462,9 @@ class DiskTier(Tier):
             self.flush()
         entry.hits, entry.created, entry.last_hit = hits + 1, created, now
         return entry
+
+    def get_into(self, key: bytes, kind: str | None, namespace: str, into: Mapping[str, np.ndarray]) -> Entry | None:
+        return self.get(key, kind, _into=(into, namespace))
 
     def peek(self, key: bytes) -> Entry | None:
         found = self._read(key)
@@ -703,6 +715,94 @@ class DiskTier(Tier):
                     self.flush()
                     self._db.close()
             self._db = None
+
+
+_IOV_MAX = 1024
+_HASH_RUN = 1 << 20  # hash what was just read while it is still in the CPU's cache
+
+
+def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """preadv every view in order from ``offset``, resuming short reads; returns the bytes read."""
+    got = 0
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        n = os.preadv(fd, batch, offset + got)
+        got += n
+        if n == want:
+            i += len(batch)
+            continue
+        if n == 0:
+            return got
+        # A short read: resume inside the view it stopped in.
+        for j, v in enumerate(batch):
+            if n < v.nbytes:
+                views = [v[n:]] + batch[j + 1 :] + views[i + len(batch) :]
+                i = 0
+                break
+            n -= v.nbytes
+    return got
+
+
+def _runs(arr: np.ndarray) -> list[memoryview]:
+    """The array's bytes as writable contiguous runs in C order (one per row of its contiguous inner block)."""
+    if arr.size == 0:
+        return []
+    inner, expected = arr.ndim, arr.itemsize
+    while inner > 0 and (arr.shape[inner - 1] == 1 or arr.strides[inner - 1] == expected):
+        expected *= arr.shape[inner - 1]
+        inner -= 1
+    if inner == 0:
+        return [memoryview(arr.reshape(-1))]
+    rows = arr.view()
+    try:
+        rows.shape = (-1, expected // arr.itemsize)  # the outer dims merged, when their strides allow (no copy)
+    except AttributeError:
+        return [memoryview(arr[idx].reshape(-1)) for idx in np.ndindex(*arr.shape[:inner])]
+    return [memoryview(r) for r in rows]
+
+
+def _read_into(fd: int, key: bytes, into: Mapping[str, np.ndarray], kind: str | None,
+               namespace: str | None) -> Entry | None:
+    """One entry file, its matching tensors read straight into ``into`` and the checksum verified on the way."""
+    size = os.fstat(fd).st_size
+    head_bytes = os.pread(fd, min(size, 1 << 16), 0)
+    if len(head_bytes) >= 8:
+        need = 8 + int.from_bytes(head_bytes[:8], "little")
+        if len(head_bytes) < need <= min(size, MAX_HEADER_BYTES + 8):
+            head_bytes += os.pread(fd, need - len(head_bytes), len(head_bytes))
+    head = parse_header(memoryview(head_bytes), size, expect_key=key)
+    if (namespace is not None and head.namespace != namespace) or (kind is not None and head.kind != kind):
+        return None
+    digest = xxhash.xxh3_128()
+    tensors: dict[str, np.ndarray] = {}
+    for b, e, name, _, dtype, shape in head.spans:
+        dst = into.get(name)
+        if dst is not None and dst.dtype == dtype and dst.shape == tuple(shape) and dst.flags.writeable:
+            views, out = _runs(dst), dst
+        else:
+            out = np.empty(tuple(shape), dtype)
+            views = [memoryview(out.reshape(-1).view(np.uint8))] if out.size else []
+        offset = head.start + b
+        # Read about a megabyte of runs at a time and hash it while it is still in cache.
+        i = 0
+        while i < len(views):
+            j, run = i, 0
+            while j < len(views) and (j == i or run + views[j].nbytes <= _HASH_RUN) and j - i < _IOV_MAX:
+                run += views[j].nbytes
+                j += 1
+            if _pread_all(fd, views[i:j], offset) != run:
+                raise CorruptEntryError(f"short read in tensor {name!r}")
+            for v in views[i:j]:
+                digest.update(v)
+            offset += run
+            i = j
+        if out is not dst:
+            out.flags.writeable = False
+        tensors[name] = out
+    check_digest(head, digest)
+    return make_entry(head, tensors, None)
 
 
 def _other_version(path: Path) -> bool:
