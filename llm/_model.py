@@ -34,7 +34,7 @@ def _gguf_path(name: str) -> Path:
 
 
 def _convert(gguf: Path, target: Path) -> None:
-    """Dequantize the GGUF once into a safetensors copy (about 15 s); later loads take < 1 s."""
+    """Dequantize the GGUF once into a safetensors copy (about 15 s); later loads read that copy."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,7 +82,10 @@ def load_model(
     """Load a model and its tokenizer offline.
 
     The first call converts the GGUF into a safetensors copy in ``cache_dir`` (default:
-    :func:`models_dir`), keyed by the GGUF file's digest; later calls load that copy.
+    :func:`models_dir`), keyed by the GGUF file's digest; later calls load that copy. Loading
+    ends with the weights faulted in and one tiny warm-up forward, so the first request of
+    the process pays for neither. Most of a fresh process's load time is importing
+    transformers (which imports torchvision when it is installed), not reading weights.
 
     Args:
         name: ``"smollm2-135m-instruct"``.

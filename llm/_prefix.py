@@ -43,6 +43,7 @@ KIND = "llm.kv"
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
 CHECK_KIND = "llm.check"  # a model architecture's verdict of _probe_model, so a fresh process skips its forwards
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
+CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -271,7 +272,9 @@ class PrefixCache:
         # Room for the rest of the prompt and some generated tokens: they are written in place
         # instead of concatenated (see _ReservedLayer). Allocated before the keys, whose root
         # fingerprints the model, so that new pages fault in meanwhile.
-        buffers = self._allocate(max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens))
+        # Rounded up, so that the next request of about this length can reuse them.
+        need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
+        buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         keys = self._block_keys(ids, n_blocks)
         blocks = self._read_blocks(keys, buffers, usable)
         n_cached = min(blocks * self.block_tokens, usable)

@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 from . import errors
-from ._digest import digest_tensors, file_digest
+from ._digest import digest_memo_path, digest_tensors, file_digest
 from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
@@ -36,6 +36,7 @@ __all__ = [
     "format_size",
     "file_digest",
     "digest_tensors",
+    "digest_memo_path",
     "errors",
     "__version__",
 ]

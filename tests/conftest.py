@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from promptstore._entry import Entry
 from redis_server import RedisServer  # noqa: F401 - test_redis.py imports it from here
 
 REPO = Path(__file__).resolve().parents[1]
+
+# File digests are remembered across processes (#12); the suite keeps its own memo, shared by the
+# fresh processes it starts, instead of the user's.
+os.environ.setdefault("PROMPTSTORE_DIGESTS", str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3"))
 
 
 class FakeClock:
