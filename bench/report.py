@@ -119,10 +119,10 @@ def headline(llm: dict | None, llama: dict | None, vision: dict | None, store: d
                 rows.append((f"first request of a fresh process >= {target:.0f}x faster than full prefill, "
                              f"{r['tokens']:,} tokens", f"{ratio:.1f}x ({r[FIRST] * 1000:.0f} ms vs {r[FULL]:.2f} s; "
                              f"the in-process deepcopy pattern: {r[FULL] / r[DEEPCOPY]:.1f}x)", ratio >= target))
-        for length, r in res.items():
+        for r in res.values():
             rows.append((f"steady state within 1.2x of the in-process deepcopy pattern, {r['tokens']:,} tokens",
                          f"{r[STEADY] / r[DEEPCOPY]:.2f}x its time", r[STEADY] <= 1.2 * r[DEEPCOPY]))
-        for length, r in res.items():
+        for r in res.values():
             first, steady = r["kv load GB/s, first"], r["kv load GB/s, steady"]
             rows.append((f"KV load >= 1.5 GB/s on the first request and >= 3 GB/s steady, {r['tokens']:,} tokens",
                          f"{first:.2f} / {steady:.2f} GB/s", first >= 1.5 and steady >= 3.0))

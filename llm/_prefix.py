@@ -16,7 +16,8 @@ question.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import functools
 import gc
 import inspect
 import mmap
@@ -881,14 +882,30 @@ def _fresh_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """
     size = max(1, int(np.prod(shape)) * dtype.itemsize)
     area = mmap.mmap(-1, size)
+    out = np.frombuffer(area, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    madvise = _libc_madvise()
+    if madvise is not None:
+        address = out.ctypes.data
 
-    def populate() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            area.madvise(23)  # MADV_POPULATE_WRITE (Linux >= 5.14); elsewhere pages fault in as written
+        def populate(keep: mmap.mmap = area) -> None:  # holds the mapping until done: never another's pages
+            madvise(address, size, 23)  # MADV_POPULATE_WRITE (Linux >= 5.14); fails harmlessly elsewhere
 
-    if hasattr(area, "madvise") and sys.platform.startswith("linux"):
+        # Through ctypes, which lets go of the GIL for the call (mmap.madvise holds it throughout).
         threading.Thread(target=populate, name="promptstore-kv-populate", daemon=True).start()
-    return np.frombuffer(area, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _host_view(t: Any) -> np.ndarray:

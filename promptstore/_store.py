@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ._codec import build, prepare
 from ._entry import Entry, EntryInfo
 from ._keys import Key, coerce_key, make_key

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import promptstore._digest as digest
-from conftest import run_python
 from promptstore import digest_tensors
+
+from conftest import run_python
 
 
 @settings(max_examples=200, deadline=None)

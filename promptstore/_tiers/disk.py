@@ -754,13 +754,13 @@ def _runs(arr: np.ndarray) -> list[memoryview]:
         expected *= arr.shape[inner - 1]
         inner -= 1
     if inner == 0:
-        return [memoryview(arr.reshape(-1))]
+        return [arr.reshape(-1).data]
     rows = arr.view()
     try:
         rows.shape = (-1, expected // arr.itemsize)  # the outer dims merged, when their strides allow (no copy)
     except AttributeError:
-        return [memoryview(arr[idx].reshape(-1)) for idx in np.ndindex(*arr.shape[:inner])]
-    return [memoryview(r) for r in rows]
+        return [arr[idx].reshape(-1).data for idx in np.ndindex(*arr.shape[:inner])]
+    return [r.data for r in rows]
 
 
 def _read_into(fd: int, key: bytes, into: Mapping[str, np.ndarray], kind: str | None,
@@ -777,13 +777,13 @@ def _read_into(fd: int, key: bytes, into: Mapping[str, np.ndarray], kind: str | 
         return None
     digest = xxhash.xxh3_128()
     tensors: dict[str, np.ndarray] = {}
-    for b, e, name, _, dtype, shape in head.spans:
+    for b, _end, name, _, dtype, shape in head.spans:
         dst = into.get(name)
         if dst is not None and dst.dtype == dtype and dst.shape == tuple(shape) and dst.flags.writeable:
             views, out = _runs(dst), dst
         else:
             out = np.empty(tuple(shape), dtype)
-            views = [memoryview(out.reshape(-1).view(np.uint8))] if out.size else []
+            views = [out.reshape(-1).view(np.uint8).data] if out.size else []
         offset = head.start + b
         # Read about a megabyte of runs at a time and hash it while it is still in cache.
         i = 0
