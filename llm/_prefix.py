@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import gc
 import inspect
 import mmap
 import os
@@ -369,10 +368,9 @@ class PrefixCache:
                 entry = self.store.get(keys[i], kind=KIND, into=into)
                 if entry is None or not self._fits(entry):
                     return False  # a block that does not fit this model is a miss, never a crash
-                if any(entry.tensors[side] is not into[side] for side in into):  # stored in another dtype
-                    for side, dst in into.items():
-                        _copy_block(dst[:, :, : hi - lo, :] if host else dst, entry.tensors[side][:, :, : (hi - lo) if host
-                                    else bt, :], entry.dtypes[side], buffers[0].dtype)
+                for side, dst in into.items():
+                    if entry.tensors[side] is not dst:  # stored in another dtype: converted on the way
+                        _copy_block(dst, entry.tensors[side], entry.dtypes[side], buffers[0].dtype)
                 if not host:
                     stream = getattr(local, "stream", None)
                     if stream is None:
@@ -431,10 +429,6 @@ class PrefixCache:
         # its pages are already faulted in, so a load costs the copy and little else.
         np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
         pair = None
-        if self._pool:
-            # A dropped cache is often freed only by the cycle collector (transformers' cache
-            # objects hold reference cycles); the young generations are enough and cost ~1 ms.
-            gc.collect(1)
         for i in range(len(self._pool)):
             held = self._pool[i][0]
             fits = held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity and held.shape[4] == head_dim

@@ -209,10 +209,11 @@ class _Pages:
                 self._bad[start] = None
             else:
                 e = np.frombuffer(raw, "<u8")
-                present, swapped, file_page = e >> np.uint64(63), (e >> np.uint64(62)) & 1, (e >> np.uint64(61)) & 1
-                # A written page was copied into anonymous memory: present but no longer a file page,
-                # or swapped out. A page never touched is not present and will be read from the file.
-                bad = (swapped | (present & (file_page ^ 1))).astype(np.int64)
+                # Proven only for a page present and still the file's: a write copies the page into
+                # anonymous memory (no longer a file page; swapped out later). A page not present is
+                # hashed rather than trusted: a /proc that reports nothing must never read as clean.
+                present, file_page = e >> np.uint64(63), (e >> np.uint64(61)) & 1
+                bad = ((present & file_page) ^ 1).astype(np.int64)
                 self._bad[start] = np.concatenate([[0], np.cumsum(bad)])
         return self._bad[start]
 

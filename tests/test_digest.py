@@ -66,8 +66,11 @@ def weights_file(tmp_path, monkeypatch):
     return path
 
 
-def _mapped(path):
+def _mapped(path, touch=True):
     t = torch.from_file(str(path), shared=False, size=N, dtype=torch.float32)  # a private mapping, like safetensors
+    if not touch:
+        return t
+    t.sum()  # its pages read in, as a loaded model's are
     pages = digest._Pages()
     assert pages.file_range(t.data_ptr(), N * 4) is not None
     pages.close()
@@ -103,6 +106,7 @@ def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file)
         real = digest._hash_bytes
         digest._hash_bytes = lambda data: (hashed.append(data.size), real(data))[1]
         t = torch.from_file({str(weights_file)!r}, shared=False, size={N}, dtype=torch.float32)
+        t.sum()  # pages read in, as load_model leaves a model's
         child = digest.digest_tensors("w", [("w", t)])
         assert child == {parent!r}, child
         assert {N * 4} not in hashed, hashed  # recalled from the memo, not read
@@ -111,3 +115,15 @@ def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file)
         print("ok")
     """
     assert run_python(code).stdout.strip() == "ok"
+
+
+def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch):
+    """A page not present proves nothing (a /proc that reported nothing would look the same): its bytes are hashed."""
+    t = _mapped(weights_file)
+    known = digest_tensors("w", [("w", t)])  # remembered
+    fresh = _mapped(weights_file, touch=False)
+    hashed = []
+    real = digest._hash_bytes
+    monkeypatch.setattr(digest, "_hash_bytes", lambda data: (hashed.append(data.size), real(data))[1])
+    assert digest_tensors("w", [("w", fresh)]) == known
+    assert N * 4 in hashed

@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 import promptstore._digest as digest
 from promptstore import PromptStore
 from promptstore.llm import PrefixCache
+from promptstore.llm._model import _make_resident
 from promptstore.vision import OpenCLIPTextEncoder, set_classes
 
 from transparency import assert_transparent
@@ -38,6 +39,7 @@ def _mapped_llama(folder, monkeypatch) -> LlamaForCausalLM:
     monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(folder / "digests.sqlite3"))
     _llama(hidden=256).save_pretrained(folder / "model")
     model = LlamaForCausalLM.from_pretrained(folder / "model").eval()
+    _make_resident(model)  # what load_model does: the pages read in
     q = model.model.layers[0].self_attn.q_proj.weight
     pages = digest._Pages()
     assert pages.file_range(q.data_ptr(), q.numel() * q.element_size()) is not None, "weights are not file-mapped"

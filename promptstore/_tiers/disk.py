@@ -395,11 +395,13 @@ class DiskTier(Tier):
             with open(self.entries_dir / file, "rb", buffering=0) as f:
                 if into is not None:
                     entry = _read_into(f.fileno(), key, into, kind, namespace)
-                    return None if entry is None else (entry, (hits + (pending[0] if pending else 0), created))
-                size = os.fstat(f.fileno()).st_size
-                # np.empty skips the zero-fill a bytearray would do: one pass less over the bytes.
-                buf = np.empty(size, dtype=np.uint8)
-                got = _pread_all(f.fileno(), [buf.data], 0)
+                else:
+                    size = os.fstat(f.fileno()).st_size
+                    # np.empty skips the zero-fill a bytearray would do: one pass less over the bytes.
+                    buf = np.empty(size, dtype=np.uint8)
+                    if _pread_all(f.fileno(), [buf.data], 0) != size:
+                        raise CorruptEntryError(f"short read of {size} bytes")
+                    entry = decode(buf, expect_key=key)
         except FileNotFoundError:
             return None  # evicted or replaced by another process since the row was read
         except EntryVersionError:
@@ -407,15 +409,7 @@ class DiskTier(Tier):
         except CorruptEntryError as exc:
             self._drop_corrupt(key, file, str(exc))
             return None
-        try:
-            if got != size:
-                raise CorruptEntryError(f"short read: {got} of {size} bytes")
-            return decode(buf, expect_key=key), (hits + (pending[0] if pending else 0), created)
-        except EntryVersionError:
-            return None
-        except CorruptEntryError as exc:
-            self._drop_corrupt(key, file, str(exc))
-            return None
+        return None if entry is None else (entry, (hits + (pending[0] if pending else 0), created))
 
     def _drop_corrupt(self, key: bytes, file: str, reason: str) -> None:
         warnings.warn(f"disk tier: dropped corrupt entry {key.hex()[:16]}… ({reason})", PromptStoreWarning,
@@ -441,9 +435,14 @@ class DiskTier(Tier):
                 _unlink(self.entries_dir / r.file)
 
     # -- Tier ----------------------------------------------------------------------------
-    def get(self, key: bytes, kind: str | None = None,
-            _into: tuple[Mapping[str, np.ndarray], str] | None = None) -> Entry | None:
-        found = self._read(key) if _into is None else self._read(key, _into[0], kind, _into[1])
+    def get(self, key: bytes, kind: str | None = None) -> Entry | None:
+        return self._counted(key, kind, self._read(key))
+
+    def get_into(self, key: bytes, kind: str | None, namespace: str, into: Mapping[str, np.ndarray]) -> Entry | None:
+        return self._counted(key, kind, self._read(key, into, kind, namespace))
+
+    def _counted(self, key: bytes, kind: str | None, found: tuple[Entry, tuple[int, float]] | None) -> Entry | None:
+        """Count a read's hit (or miss) for the policy; the entry with its hit count, or None."""
         if found is None:
             with self._lock:
                 self._pending[kind or "unknown"] = self._pending.get(kind or "unknown", 0) + 1
@@ -462,9 +461,6 @@ class DiskTier(Tier):
             self.flush()
         entry.hits, entry.created, entry.last_hit = hits + 1, created, now
         return entry
-
-    def get_into(self, key: bytes, kind: str | None, namespace: str, into: Mapping[str, np.ndarray]) -> Entry | None:
-        return self.get(key, kind, _into=(into, namespace))
 
     def peek(self, key: bytes) -> Entry | None:
         found = self._read(key)
