@@ -429,7 +429,8 @@ def test_gpu_loads_through_pinned_slots_equal_a_recompute(tmp_path, dtype):
     rng = np.random.default_rng(3)
     doc = rng.integers(0, 500, 301).tolist()
     for memory in ("64MiB", 0):  # from the memory tier, then from files
-        with PromptStore(tmp_path / "s", memory_bytes=memory) as store:
+        # A folder per pass: with one folder, the second pass would also hit the first pass's questions.
+        with PromptStore(tmp_path / f"s{memory}", memory_bytes=memory) as store:
             pc = PrefixCache(model, store=store, block_tokens=16)
             pc.prefill(doc + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
             for q in ([7, 8, 9], [40, 41]):
