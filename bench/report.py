@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -68,6 +69,54 @@ def ttft_plot(llm: dict, llama: dict | None, path: Path = PLOTS / "llm_ttft.png"
            "prompt length (tokens): a document plus a new question", "time to first token (s)", xticks=xs,
            legend_loc="upper left")
     return "bench/plots/llm_ttft.png"
+
+
+CHUNK_RUNS = ("chunk_quality_8x256.json", "chunk_quality_4x128.json", "chunk_quality_2x512.json")
+
+
+def chunk_table(run: dict) -> list[str]:
+    """One passage count's settings: speed and every quality measure, the goal setup's default in bold."""
+    out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
+           "| 32 greedy tokens all equal | greedy tokens equal before the first miss |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, r in run["results"].items():
+        tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
+        name = f"**{label}**" if "default" in label else label
+        out.append(f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
+                   f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} | {r['greedy_all']:.0%} | "
+                   f"{r['greedy_lead']:.1f} |")
+    return out
+
+
+def chunk_section(runs: list[dict]) -> list[str]:
+    lines = ["## Passages anywhere (ChunkCache)", "",
+             "SmolLM2-135M-Instruct fp32, 2 threads. RAG prompts of real English text (READMEs and licenses shipped in "
+             "installed packages, long standard-library docstrings): a system line (the anchor), k passages in a new "
+             "random order per prompt, one of four kinds of question. Every passage was stored beforehand (after the "
+             "anchor); TTFT is `ChunkCache.prefill` with the KV read from files (fingerprint, lookups, load, rotation, "
+             "selection, forward), against transformers' full prefill of the same ids, side by side, medians. "
+             "Quality is against that full prefill: top-1 on decisive prompts (its top two scores at least 0.5 nats "
+             "apart) and near-ties apart; KL(full ‖ cached) in nats; 32 greedy tokens. "
+             "`python bench/chunk_quality.py --prompts N --passages k --tokens T`.", ""]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for run, marker in zip(runs, "osD", strict=False):
+        k, t = run["passages"], run["tokens"]
+        lines += [f"**{k} passages of {t} tokens, {run['prompts']} prompts** (full prefill "
+                  f"{statistics.median(r['full_s'] for r in run['results'].values()):.2f} s):", ""]
+        lines += chunk_table(run) + [""]
+        res = run["results"]
+        ax.plot([r["speedup"] for r in res.values()], [r["kl_mean"] for r in res.values()], marker, ls="",
+                label=f"{k} x {t} tokens")
+        if k == 8:
+            for label, r in res.items():
+                ax.annotate(label.replace(" (default)", "*"), (r["speedup"], r["kl_mean"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+    ax.axvline(5, color="grey", lw=0.8, ls=":")
+    ax.axhline(0.025, color="grey", lw=0.8, ls=":")
+    path = PLOTS / "chunk_quality.png"
+    finish(fig, ax, path, "Passages anywhere: quality against TTFT (goal: right of 5x, below KL 0.025)",
+           "TTFT speed-up over full prefill (x)", "mean KL(full || cached), nats", logy=True)
+    return lines + [f"![quality against TTFT]({path.relative_to(ROOT)})", ""]
 
 
 def scaling_plots(sc: dict) -> tuple[str, str]:
@@ -207,10 +256,15 @@ def main() -> None:
             lines += ["llama-cpp-python was not measured in this run (`make bench LLAMA_CPP=1` installs it: it builds "
                       "llama.cpp from source, about 5 minutes).", ""]
         lines += [f"![TTFT against prompt length]({ttft_plot(llm, llama)})", ""]
+    chunks = [run for run in (load(n) for n in CHUNK_RUNS) if run]
+    if chunks:
+        lines += chunk_section(chunks)
     earlier = "*This section is kept from an earlier run: this one did not measure it.*"
-    for title, fresh in (("Vision class prompts", vision), ("Store", store), ("Scaling", scaling)):
-        if not fresh and title in old:
-            section = old[title]
+    # Titles as _sections keys them (up to " ("): what this run wrote itself.
+    made = {"Headline", "Passages anywhere" if chunks else "", "LLM prefix reuse" if llm else ""}
+    made |= {t for t, fresh in (("Vision class prompts", vision), ("Store", store), ("Scaling", scaling)) if fresh}
+    for title, section in old.items():
+        if title not in made:  # a section this run did not measure stays, marked as earlier
             lines += section[:1] + ([""] if earlier in section else ["", earlier]) + section[1:]
     if vision:
         shutil.copy(OUT / "vision_bench.png", PLOTS / "vision_bench.png")

@@ -8,7 +8,8 @@
 Needs the ``llm`` extra: ``pip install "promptstore[llm]"``.
 """
 
+from ._chunks import ChunkCache
 from ._model import load_model, models_dir
 from ._prefix import PrefixCache
 
-__all__ = ["PrefixCache", "load_model", "models_dir"]
+__all__ = ["ChunkCache", "PrefixCache", "load_model", "models_dir"]

@@ -275,6 +275,17 @@ class PrefixCache:
         # Rounded up, so that the next request of about this length can reuse them.
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        n_cached = self._lookup_into(ids, buffers)
+        if n_cached == 0:
+            return None, 0
+        return self._make_cache(self._finish(buffers, n_cached)), n_cached
+
+    def _lookup_into(self, ids: np.ndarray, buffers: tuple[Any, Any]) -> int:
+        """Read the longest stored prefix of ``ids`` (leaving the last token) into ``buffers``; its length."""
+        usable = len(ids) - 1
+        n_blocks = -(-usable // self.block_tokens)
+        if n_blocks == 0:
+            return 0
         keys = self._block_keys(ids, n_blocks)
         blocks = self._read_blocks(keys, buffers, usable)
         n_cached = min(blocks * self.block_tokens, usable)
@@ -291,9 +302,7 @@ class PrefixCache:
             elif shared:
                 self._copy_tail(buffers, tail, n_cached, shared)
             n_cached += shared
-        if n_cached == 0:
-            return None, 0
-        return self._make_cache(self._finish(buffers, n_cached)), n_cached
+        return n_cached
 
     def _tail_key(self, parent: bytes | None, first_token: int) -> bytes:
         """Where the partial block after ``parent`` (None: the chain's root) starting with ``first_token`` lives."""
@@ -840,6 +849,9 @@ def _reserved_layer_class() -> Any:
 
         def _in_place(self) -> bool:
             k = self.keys
+            if k is not None and k.ndim == 4 and k.shape[-2] == 0 and k.shape[:-2] == self._kbuf.shape[:-2]:
+                self._n = 0  # empty: its data_ptr is 0, not the buffer's
+                return True
             if k is None or k.data_ptr() != self._kbuf.data_ptr() or k.stride() != self._kbuf.stride():
                 return False
             self._n = k.shape[-2]  # e.g. after crop(): still a prefix of our buffer

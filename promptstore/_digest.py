@@ -245,7 +245,7 @@ def _frame(h: xxhash.xxh3_128, data: bytes) -> None:
     h.update(data)
 
 
-def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray]:
+def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray | _DeviceSums]:
     """(dtype name, shape, identity, bytes) of a numpy array or a torch tensor."""
     if isinstance(t, np.ndarray):
         arr = np.ascontiguousarray(t)
@@ -260,7 +260,7 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray]:
     if flat.device.type != "cpu":
         # Copying every weight to the host on every request would cost more than the hit saves
         # (16 GB for an 8B fp16 model): reduce on the device, bring 16 bytes back.
-        return f"{t.dtype}@device", tuple(t.shape), ident, device_word_digest(torch, flat)
+        return f"{t.dtype}@device", tuple(t.shape), ident, _DeviceSums(_device_sums(torch, flat))
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
     return str(t.dtype), tuple(t.shape), ident, data
 
@@ -280,7 +280,22 @@ def _multipliers(torch: Any, device: Any) -> tuple[Any, Any]:
     return _MULTIPLIERS[key]
 
 
+class _DeviceSums:
+    """A device tensor's two sums, still on the device: every tensor's come back in one copy."""
+
+    size = 16  # bytes, as the digest frames them
+
+    def __init__(self, sums: Any) -> None:
+        self.sums = sums
+
+
 def device_word_digest(torch: Any, flat: Any) -> np.ndarray:
+    """:func:`_device_sums` brought back to the host: 16 bytes."""
+    out: np.ndarray = _device_sums(torch, flat).cpu().numpy().view(np.uint8)
+    return out
+
+
+def _device_sums(torch: Any, flat: Any) -> Any:
     """Two position-weighted sums of a tensor's 32-bit words, computed where it lives (16 bytes come back).
 
     Within a chunk of 16M words, word ``i`` is multiplied by odd int32 multipliers (products
@@ -302,8 +317,7 @@ def device_word_digest(torch: Any, flat: Any) -> np.ndarray:
         s1 = ((x ^ (x << 13)) * mb[:n]).sum(dtype=torch.int64)
         sums[0] += s0 * ((c * 2654435761 + 1) | 1)  # int64 arithmetic wraps: mod 2**64
         sums[1] += s1 * ((c * 40503 + 7) | 1)
-    out: np.ndarray = sums.cpu().numpy().view(np.uint8)
-    return out
+    return sums
 
 
 def _hash_bytes(data: np.ndarray) -> bytes:
@@ -329,6 +343,7 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
     seen: dict[Any, str] = {}
     todo: list[tuple[int, np.ndarray, tuple[Identity, int] | None]] = []
     fields: list[bytes] = []
+    on_device: list[tuple[int, Any]] = []
     pages: _Pages | None = None
     try:
         for name, t in named:
@@ -339,6 +354,10 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
                 continue
             seen[ident] = name
             fields.append(_framed(f"{dtype}{shape}".encode()) + data.size.to_bytes(8, "little"))
+            if isinstance(data, _DeviceSums):
+                on_device.append((len(fields), data.sums))
+                fields.append(b"")  # filled in below, after one copy of every tensor's sums
+                continue
             where = None
             if data.size >= _MAPPED_MIN_BYTES and sys.platform.startswith("linux") and "@device" not in dtype:
                 if pages is None:
@@ -353,6 +372,12 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
     finally:
         if pages is not None:
             pages.close()
+    if on_device:
+        # One synchronising copy for the whole model, not one per tensor (272 for SmolLM2).
+        torch = sys.modules["torch"]
+        host = torch.stack([sums.to(on_device[0][1].device) for _, sums in on_device]).cpu().numpy()
+        for (slot, _), row in zip(on_device, host, strict=True):
+            fields[slot] = _hash_bytes(np.ascontiguousarray(row).view(np.uint8))
     # xxh3 releases the GIL: large tensors are hashed on several cores, each to its own digest
     # (SmolLM2's 540 MB: 37 ms -> 25 ms on 2 cores).
     big = [item for item in todo if item[1].size >= _PARALLEL_BYTES]

@@ -1,0 +1,207 @@
+"""Passages anywhere (ChunkCache): quality against full prefill, and TTFT, per recompute setting.
+
+    python bench/chunk_quality.py [--prompts 100] [--passages 8] [--tokens 256] [--out bench/out]
+
+SmolLM2-135M-Instruct (fp32, real weights), RAG prompts of real English text: a system line
+(the anchor), k passages drawn from the READMEs and licenses that ship inside installed
+packages and from long Python standard-library docstrings, in a new random order per prompt,
+and one of four kinds of question. Every passage's KV is stored once beforehand (each after
+the anchor, in another process's order), so every request below is a warm one.
+
+Per setting, against transformers' full prefill of the same ids:
+  top-1        next-token agreement, on decisive prompts (full prefill's top two scores at
+               least 0.5 nats apart) and on near-ties, reported apart
+  KL           KL(full || cached) of the next-token distribution (nats), mean and p90
+  greedy       32 greedy tokens: the share of prompts whose 32 tokens all agree, and the mean
+               number of leading tokens that agree
+  TTFT         ChunkCache.prefill (fingerprint, lookups, KV load from files, rotation,
+               selection, the forward) against the full prefill, medians, side by side
+Writes chunk_quality_{k}x{tokens}.json. Not a test: the figures are the product of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from promptstore import PromptStore  # noqa: E402
+from promptstore.llm import ChunkCache, load_model  # noqa: E402
+
+from _common import machine  # noqa: E402
+
+ANCHOR = ("<|im_start|>system\nYou are a helpful assistant. Answer the question using the passages the user gives."
+          "<|im_end|>\n<|im_start|>user\n")
+QUESTIONS = [
+    "Question: What is the main topic of the passages above?",
+    "Question: Which software project is mentioned first above, and what does it do?",
+    "Question: Summarize the last passage in one sentence.",
+    "Question: Does any passage above mention a license? Quote the relevant words.",
+]
+END = "<|im_end|>\n<|im_start|>assistant\n"
+SETTINGS = [  # (label, recompute, select); EPIC's token counts are per passage, made a fraction in main()
+    ("no recompute", 0.0, "recent"),
+    ("EPIC first 16/passage", 16, "first"),
+    ("EPIC first 32/passage", 32, "first"),
+    ("CacheBlend 15%", 0.15, "blend"),
+    ("CacheBlend 30%", 0.30, "blend"),
+    ("recent 10% (default)", 0.10, "recent"),
+    ("recent 15%", 0.15, "recent"),
+    ("recent 20%", 0.20, "recent"),
+]
+
+
+def english_texts() -> list[str]:
+    """Real English prose shipped on this machine: package READMEs and licenses, stdlib docstrings."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    texts = []
+    for meta in sorted(site.glob("*.dist-info/METADATA")) + sorted(site.glob("*.dist-info/licenses/*")) \
+            + sorted(site.glob("*.dist-info/LICENSE*")):
+        try:
+            body = meta.read_text(errors="ignore")
+        except OSError:
+            continue
+        if meta.name == "METADATA":
+            body = body.split("\n\n", 1)[1] if "\n\n" in body else ""
+        texts.append(body)
+    import importlib
+    # The standard library only: importing arbitrary modules on sys.path would run them.
+    for mod in sorted(n for n in sys.stdlib_module_names if not n.startswith("_")):
+        if mod in {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}:
+            continue
+        try:
+            doc = importlib.import_module(mod).__doc__ or ""
+        except Exception:  # noqa: BLE001 - any module that fails to import is just skipped
+            continue
+        texts.append(doc)
+    keep = []
+    for t in texts:
+        t = re.sub(r"[ \t]+", " ", t)
+        t = re.sub(r"\n{3,}", "\n\n", t).strip()
+        letters = sum(c.isalpha() or c.isspace() for c in t)
+        if len(t) > 1500 and letters / len(t) > 0.85 and t.isascii():
+            keep.append(t)
+    return keep
+
+
+def passage_pool(tokenizer, tokens: int, want: int, rng: np.random.Generator) -> list[list[int]]:
+    pool = []
+    for text in english_texts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for lo in range(0, len(ids) - tokens, tokens):
+            pool.append(ids[lo : lo + tokens])
+    order = rng.permutation(len(pool))
+    return [pool[i] for i in order[:want]]
+
+
+def greedy(model, cache, logits, n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(logits.argmax())
+            out.append(tok)
+            logits = model(torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--passages", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--greedy", type=int, default=32)
+    parser.add_argument("--settings", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2-135m-instruct")
+    rng = np.random.default_rng(0)
+    k = args.passages
+    pool = passage_pool(tok, args.tokens, max(3 * k, min(4 * args.prompts, 400)), rng)
+    anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
+    questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    folder = tempfile.mkdtemp(prefix="ps-chunks-")
+    settings = [(label, r / args.tokens if r >= 1 else r, sel) for label, r, sel in SETTINGS
+                if not args.settings or label in args.settings]
+    caches = {label: ChunkCache(model, tok, PromptStore(folder, memory_bytes=0), recompute=r, select=sel)
+              for label, r, sel in settings}
+    prompts = []
+    for i in range(args.prompts):
+        chosen = rng.choice(len(pool), size=k, replace=False)
+        prompts.append([anchor] + [pool[j] for j in chosen] + [questions[i % len(questions)]])
+    # Warm: every passage stored once, after the anchor (the first cache computes what is missing).
+    warm = caches[settings[0][0]]
+    t0 = time.perf_counter()
+    for p in prompts:
+        warm.prefill(p)
+    print(f"warmed {len({tuple(x) for p in prompts for x in p[1:-1]})} passages in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    rows: dict[str, dict[str, list[float]]] = {label: {"kl": [], "top1": [], "decisive": [], "greedy_all": [],
+                                                       "greedy_lead": [], "ttft": [], "full": []} for label, _, _ in settings}
+    for n, p in enumerate(prompts):
+        ids = [t for seg in p for t in seg]
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+            full_s = time.perf_counter() - t0
+        ref = out.logits[0, -1].float()
+        ref_lp = torch.log_softmax(ref, -1)
+        top2 = torch.topk(ref, 2).values
+        decisive = float(top2[0] - top2[1]) >= 0.5
+        ref_greedy = greedy(model, out.cache, out.logits[0, -1], args.greedy) if args.greedy else []
+        for label, _, _ in settings:
+            cc = caches[label]
+            t0 = time.perf_counter()
+            cache, logits = cc.prefill(p)
+            seconds = time.perf_counter() - t0
+            lp = torch.log_softmax(logits.float(), -1)
+            r = rows[label]
+            r["kl"].append(float((ref_lp.exp() * (ref_lp - lp)).sum()))
+            r["top1"].append(float(int(logits.argmax()) == int(ref.argmax())))
+            r["decisive"].append(float(decisive))
+            g = greedy(model, cache, logits, args.greedy) if args.greedy else []
+            lead = next((i for i, (a, b) in enumerate(zip(g, ref_greedy, strict=True)) if a != b), len(g))
+            r["greedy_all"].append(float(lead == len(g)))
+            r["greedy_lead"].append(float(lead))
+            r["ttft"].append(seconds)
+            r["full"].append(full_s)
+        if (n + 1) % 10 == 0 or n + 1 == len(prompts):
+            print(f"{n + 1}/{len(prompts)} prompts", flush=True)
+    results = {}
+    for label, recompute, select in settings:
+        r = {key: np.array(v) for key, v in rows[label].items()}
+        dec = r["decisive"] == 1
+        results[label] = {
+            "recompute": recompute, "select": select, "prompts": len(prompts), "decisive": int(dec.sum()),
+            "top1_decisive": float(r["top1"][dec].mean()) if dec.any() else None,
+            "top1_near_tie": float(r["top1"][~dec].mean()) if (~dec).any() else None,
+            "top1_all": float(r["top1"].mean()),
+            "kl_mean": float(r["kl"].mean()), "kl_p90": float(np.percentile(r["kl"], 90)),
+            "greedy_all": float(r["greedy_all"].mean()), "greedy_lead": float(r["greedy_lead"].mean()),
+            "ttft_s": statistics.median(r["ttft"]), "full_s": statistics.median(r["full"]),
+            "speedup": statistics.median(np.array(r["full"]) / np.array(r["ttft"])),
+        }
+        x = results[label]
+        print(f"{label:24s} TTFT {x['ttft_s'] * 1000:6.0f} ms  full {x['full_s']:.2f} s  {x['speedup']:5.1f}x  "
+              f"top-1 decisive {x['top1_decisive']:.1%} ({x['decisive']})  near-tie {x['top1_near_tie'] or 0:.1%}  "
+              f"KL {x['kl_mean']:.4f} (p90 {x['kl_p90']:.4f})  greedy {args.greedy} all {x['greedy_all']:.0%} "
+              f"lead {x['greedy_lead']:.1f}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"chunk_quality_{k}x{args.tokens}.json"
+    path.write_text(json.dumps({"machine": machine(), "passages": k, "tokens": args.tokens, "greedy": args.greedy,
+                                "prompts": len(prompts), "results": results}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

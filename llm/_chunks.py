@@ -1,0 +1,476 @@
+"""ChunkCache: reuse a passage's KV wherever it appears in a prompt (RAG passages in any order).
+
+A prompt is given as segments: an anchor (a system line), passages, and a question.
+
+- The leading exact prefix comes from :class:`PrefixCache` blocks, and the anchor's blocks are
+  stored there (exact: they are computed in their real context).
+- Each passage's KV is computed once, right after the anchor, and stored under its own key
+  (model fingerprint, anchor tokens, passage tokens). Its position in a new prompt differs, so
+  its cached RoPE keys are rotated to the new positions: exact arithmetic, since RoPE applies
+  a rotation per position. Values carry no position.
+- What a moved passage's KV lacks is the other passages it did not see. A fraction
+  ``recompute`` of the moved tokens is computed again in the new context, together with the
+  question, in one forward pass: the selected tokens attend to the whole prompt (stored KV for
+  the others) and their fresh KV replaces the stored one at every layer. ``select`` says which
+  tokens:
+
+  - ``"recent"`` (the default): the moved tokens nearest the question. The question's queries
+    lean most on the context just before it; on SmolLM2 this beat both published selections
+    at the same speed (BENCHMARKS.md).
+  - ``"blend"`` (CacheBlend): the largest deviation of layer 1's values between the stored KV
+    and this prompt, which costs one layer over the whole prompt to find.
+  - ``"first"`` (EPIC): the first tokens of each moved passage.
+- ``recompute=1.0`` recomputes every moved token: a full prefill, up to float rounding.
+
+Such KV is approximate, so nothing ChunkCache computes after the anchor is ever stored in
+PrefixCache's exact key space.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, UnsupportedModelError
+
+from ._prefix import CAPACITY_STEP, RESERVE_TOKENS, PrefixCache, _check_lengths, _copy_block, _host_view, _layers
+
+__all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
+
+CHUNK_KIND = "llm.chunk"
+SELECTIONS = ("recent", "blend", "first")
+# Chosen from measured quality and speed (BENCHMARKS.md, "Passages anywhere"; bench/chunk_quality.py).
+DEFAULT_RECOMPUTE = 0.10
+DEFAULT_SELECT = "recent"
+_SHIFT = 37  # how far the model check moves a probe passage
+SERVED, STORED, COMPUTED = 0, 1, 2
+
+
+class _Stop(Exception):
+    """Raised by the recording cache layer once it has what it needs: the rest of the forward is skipped."""
+
+
+class _Stats:
+    __slots__ = ("queried", "served", "recomputed", "computed", "requests")
+
+    def __init__(self) -> None:
+        self.queried = self.served = self.recomputed = self.computed = self.requests = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in self.__slots__}
+
+
+class ChunkCache:
+    """Serve prompts made of an anchor, cached passages in any order, and a question.
+
+    Args:
+        model: a transformers causal LM with rotary positions (Llama, Qwen2, Mistral, Phi-3,
+            SmolLM...), ``attn_implementation`` ``"sdpa"`` or ``"eager"``.
+        tokenizer: its tokenizer; needed when segments are text.
+        store: where blocks and passages live (default: ``PromptStore()``).
+        recompute: fraction (0 to 1) of the moved passage tokens whose KV is computed again in
+            the new prompt. The first passage sits where it was cached (right after the anchor)
+            and is exact without recompute. ``1.0`` equals a full prefill.
+        select: ``"recent"``, ``"blend"`` or ``"first"``; see the module docstring. The default
+            (10%, ``"recent"``) is the measured trade-off of README.md's table.
+        block_tokens: block size of the leading exact prefix (see :class:`PrefixCache`).
+
+    Raises:
+        InvalidInputError: ``recompute`` outside [0, 1] or an unknown ``select``.
+        UnsupportedModelError: a model PrefixCache refuses, one without rotary positions
+            (learned absolute positions, ALiBi), one whose keys do not move with a rotation
+            (another RoPE layout, length-dependent RoPE), or an attention kernel that takes no
+            custom mask. Raised before anything is looked up or stored.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, *,
+                 recompute: float = DEFAULT_RECOMPUTE, select: str = DEFAULT_SELECT, block_tokens: int = 64) -> None:
+        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+            raise InvalidInputError(f"recompute must be a number from 0 to 1, got {recompute!r}")
+        if select not in SELECTIONS:
+            raise InvalidInputError(f"select must be one of {SELECTIONS}, got {select!r}")
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
+                                        "tokens in place needs: load the model with attn_implementation='sdpa'")
+        self.prefix = PrefixCache(model, tokenizer, store, block_tokens)
+        self.model, self.tokenizer, self.store = model, tokenizer, self.prefix.store
+        self.recompute, self.select = float(recompute), select
+        self._inv_freq = _rotary_frequencies(model)
+        _check_moves(model, self._inv_freq, self.prefix)
+        self._last, self._total = _Stats(), _Stats()
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _segments(self, segments: Sequence[Any]) -> list[np.ndarray]:
+        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or len(segments) < 2:
+            raise InvalidInputError("segments must be a list: [anchor, *passages, question] (at least an anchor and a "
+                                    "question)")
+        out = []
+        for i, seg in enumerate(segments):
+            if isinstance(seg, str):
+                if self.tokenizer is None:
+                    raise InvalidInputError("text segments need ChunkCache(model, tokenizer)")
+                if not seg:
+                    raise InvalidInputError(f"segment {i} is empty")
+                # The first segment starts the prompt (special tokens as the tokenizer adds them); the
+                # others are tokenized alone, so a passage has the same tokens wherever it is placed.
+                ids = self.tokenizer(seg, add_special_tokens=(i == 0))["input_ids"]
+                if len(ids) == 0:
+                    raise InvalidInputError(f"segment {i} has no tokens")
+            else:
+                ids = seg
+            try:
+                out.append(self.prefix._ids(ids))
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"segment {i}: {exc}") from None
+        return out
+
+    # -- one request ----------------------------------------------------------------------
+    def _chunk_key(self, anchor: np.ndarray, passage: np.ndarray) -> bytes:
+        content = (np.array([len(anchor)], "<i8").tobytes() + anchor.astype("<i4").tobytes()
+                   + passage.astype("<i4").tobytes())
+        return self.store.key(CHUNK_KIND, content, fingerprints=[self.prefix._request_root().hex()])
+
+    def _build(self, segs: list[np.ndarray], stop: int) -> tuple[Any, Any]:
+        """KV for the prompt's first ``stop`` tokens in buffers, then the pass; (cache, last logits or None)."""
+        import torch
+
+        pc = self.prefix
+        ids = np.concatenate(segs)
+        anchor, passages = segs[0], segs[1:-1]
+        n_anchor = len(anchor)
+        pc._new_request()
+        need = len(ids) + RESERVE_TOKENS
+        buffers = pc._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        n_exact = pc._lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
+        # Where each position's KV comes from: SERVED exactly, STORED passage KV, or COMPUTED now.
+        source = np.full(len(ids), COMPUTED, np.int8)
+        source[:n_exact] = SERVED
+        if n_exact < n_anchor:
+            # The anchor itself is exact: computed in place and stored as PrefixCache blocks.
+            cache = pc._make_cache(pc._finish(buffers, n_exact))
+            cache, _, seconds = pc._forward(ids, n_exact, n_anchor, cache)
+            pc._store_blocks(ids, cache, n_anchor, n_exact // pc.block_tokens, seconds / (n_anchor - n_exact))
+        start = max(n_exact, n_anchor)
+        placed = np.zeros(len(ids), bool)
+        moved = []  # positions of passages cached in another context than this prompt's
+        ends = n_anchor + np.cumsum([len(p) for p in passages], dtype=np.int64)
+        for i, passage in enumerate(passages):
+            lo, hi = int(ends[i]) - len(passage), int(ends[i])
+            if lo < start or hi > stop:
+                continue  # inside the exact prefix, or straddling it or the end: computed if not served
+            placed[lo:hi] = True
+            if not self._place(anchor, passage, buffers, lo):
+                source[lo:hi] = STORED
+            if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
+                moved.append(np.arange(lo, hi))
+        run = np.flatnonzero(~placed[start:stop]) + start  # the question and whatever has no stored KV
+        chosen = self._choose(ids, buffers, moved)
+        run = np.union1d(chosen, run).astype(np.int64)
+        logits = None
+        if run.size and run[0] + run.size == stop:
+            # Only the end of the prompt (nothing chosen before it): a plain forward, as PrefixCache runs it.
+            cache = pc._make_cache(pc._finish(buffers, int(run[0])))
+            _, out, _ = pc._forward(ids, int(run[0]), stop, cache)
+            logits = out[0, -1]
+        elif run.size:
+            with torch.no_grad():
+                logits = self._pass(ids, buffers, run, stop)
+        last = self._last = _Stats()
+        last.queried, last.requests = len(ids), 1
+        last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
+        last.served = int(np.count_nonzero(source != COMPUTED)) - last.recomputed
+        last.computed = len(ids) - last.served - last.recomputed
+        cache = pc._make_cache(pc._finish(buffers, stop))
+        return cache, logits
+
+    def _place(self, anchor: np.ndarray, passage: np.ndarray, buffers: tuple[Any, Any], lo: int) -> bool:
+        """Put a passage's stored KV (computed and stored on a miss) at ``lo``; True if it was computed."""
+        import torch
+
+        key = self._chunk_key(anchor, passage)
+        n, at = len(passage), len(anchor)
+        k_buf, v_buf = buffers
+        host = k_buf.device.type == "cpu"
+        layers, heads, head_dim, _ = self.prefix._get_layout()
+        want = (layers, heads, n, head_dim)
+        entry = None
+        if host:
+            into = {side: _host_view(full)[:, 0, :, lo : lo + n, :] for side, full in zip(("k", "v"), buffers, strict=True)}
+            entry = self.store.get(key, kind=CHUNK_KIND, into=into)
+            if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
+                for side, dst in into.items():
+                    if entry.tensors[side] is not dst:  # stored in another dtype
+                        _copy_block(dst, entry.tensors[side], entry.dtypes[side], k_buf.dtype)
+            else:
+                entry = None
+        else:
+            entry = self.store.get(key, kind=CHUNK_KIND)
+            if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
+                for side, full in zip(("k", "v"), buffers, strict=True):
+                    stage = torch.empty(want, dtype=full.dtype)
+                    _copy_block(_host_view(stage), entry.tensors[side], entry.dtypes[side], full.dtype)
+                    full[:, 0, :, lo : lo + n, :].copy_(stage.to(full.device))
+            else:
+                entry = None
+        computed = entry is None
+        if computed:
+            k, v, seconds = self._compute_chunk(buffers, at, passage)
+            self.store.put(key, {"k": self.prefix._to_stored(k), "v": self.prefix._to_stored(v)}, kind=CHUNK_KIND,
+                           cost_s=seconds, meta={"anchor": str(at), "tokens": str(n)})
+            with torch.no_grad():
+                k_buf[:, 0, :, lo : lo + n, :] = k
+                v_buf[:, 0, :, lo : lo + n, :] = v
+        if lo != at:
+            _rotate(k_buf[:, 0, :, lo : lo + n, :], np.arange(at, at + n), np.arange(lo, lo + n), self._inv_freq)
+        return computed
+
+    def _compute_chunk(self, buffers: tuple[Any, Any], at: int, passage: np.ndarray) -> tuple[Any, Any, float]:
+        """A passage's KV right after the anchor (whose KV is ``buffers[:at]``): (k, v, seconds)."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            for i in range(buffers[0].shape[0]):
+                cache.update(buffers[0][i, :, :, :at].clone(), buffers[1][i, :, :, :at].clone(), i)
+            t0 = time.perf_counter()
+            out = self.model(torch.as_tensor(passage, device=self.model.device)[None], use_cache=True,
+                             **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
+            seconds = time.perf_counter() - t0
+            kv = _layers(self.prefix._output_cache(out))
+            k = torch.stack([layer_k[0, :, at:, :] for layer_k, _ in kv])
+            v = torch.stack([layer_v[0, :, at:, :] for _, layer_v in kv])
+        return k, v, seconds
+
+    def _choose(self, ids: np.ndarray, buffers: tuple[Any, Any], moved: list[np.ndarray]) -> np.ndarray:
+        """The moved tokens to recompute: ``recompute`` of them, picked by ``select``."""
+
+        if not moved or self.recompute == 0.0:
+            return np.zeros(0, np.int64)
+        candidates = np.concatenate(moved)
+        count = int(round(self.recompute * candidates.size))
+        if count >= candidates.size:
+            return candidates
+        if count == 0:
+            return np.zeros(0, np.int64)
+        if self.select == "recent":
+            # The moved tokens nearest the question: its queries lean on nearby context most.
+            return candidates[-count:]
+        if self.select == "first":
+            # EPIC: the same number of leading tokens from each moved passage.
+            per = -(-count // len(moved))
+            return np.sort(np.concatenate([p[:per] for p in moved]))[:count] if per else np.zeros(0, np.int64)
+        # CacheBlend: recompute layer 1's values of every candidate in the new context (layer 0's KV
+        # is already exact: it sees no other token's state) and keep those that moved most.
+        deviation = self._deviation(ids, buffers, candidates)
+        top = np.argpartition(-deviation, count - 1)[:count]
+        return np.sort(candidates[top])
+
+    def _deviation(self, ids: np.ndarray, buffers: tuple[Any, Any], candidates: np.ndarray) -> np.ndarray:
+        """How far each candidate's layer-1 values move when computed in this prompt (squared L2)."""
+        import torch
+
+        old = buffers[1][1, 0][:, torch.as_tensor(candidates, device=buffers[1].device)].float()
+        with torch.no_grad():
+            fresh = self._pass(ids, buffers, candidates, int(candidates[-1]) + 1, record_layer=1)
+        return ((fresh.float() - old) ** 2).sum(dim=(0, 2)).cpu().numpy()
+
+    def _pass(self, ids: np.ndarray, buffers: tuple[Any, Any], run: np.ndarray, n_kv: int,
+              record_layer: int | None = None) -> Any:
+        """One forward of the tokens at positions ``run`` over the buffers' first ``n_kv`` tokens.
+
+        Each layer writes the fresh KV of ``run`` into the buffers before attending, so the tokens
+        attend to each other as in a prefill and to stored KV elsewhere. Returns the last token's
+        scores, or (``record_layer``) that layer's fresh values of ``run``, stopping there.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        device = self.model.device
+        at = torch.as_tensor(run, device=device)
+        recorded: list[Any] = []
+        layer_cls = _scatter_layer_class()
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [layer_cls(buffers[0][i], buffers[1][i], n_kv, at, recorded if i == record_layer else None)
+                        for i in range(buffers[0].shape[0])]
+        allowed = torch.arange(n_kv, device=device)[None, :] <= at[:, None]
+        if getattr(self.model.config, "_attn_implementation", "eager") == "sdpa":
+            mask = allowed[None, None]
+        else:
+            dtype = buffers[0].dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        try:
+            out = self.model(torch.as_tensor(ids[run], device=device)[None], position_ids=at[None], attention_mask=mask,
+                             use_cache=True, **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
+        except _Stop:
+            return recorded[0][0]
+        return out.logits[0, -1]
+
+    # -- public ---------------------------------------------------------------------------
+    def prefill(self, segments: Sequence[Any]) -> tuple[Any, Any]:
+        """Build the KV of ``[anchor, *passages, question]`` and score the next token.
+
+        Args:
+            segments: the anchor (e.g. a system line), the passages, the question: each text
+                (with a tokenizer) or token ids. The prompt is their tokens in order.
+
+        Returns:
+            ``(cache, logits)``: a transformers ``DynamicCache`` holding the whole prompt and
+            the next-token scores after it (1-D over the vocabulary).
+
+        Raises:
+            InvalidInputError: fewer than two segments, an empty segment, bad token ids.
+        """
+        segs = self._segments(segments)
+        cache, logits = self._build(segs, sum(len(s) for s in segs))
+        self._end()
+        return cache, logits
+
+    def generate(self, segments: Sequence[Any], **generate_kwargs: Any) -> Any:
+        """``model.generate`` on the prompt of ``segments`` (see :meth:`prefill`), reusing stored passages.
+
+        Returns:
+            What ``model.generate`` returns: the prompt's ids followed by the new tokens.
+
+        Raises:
+            InvalidInputError: bad segments, beams or several sequences, bad lengths.
+        """
+        import torch
+
+        segs = self._segments(segments)
+        if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
+            raise InvalidInputError("ChunkCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
+        if generate_kwargs.pop("attention_mask", None) is not None:
+            raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
+        ids = np.concatenate(segs)
+        _check_lengths(generate_kwargs, len(ids))
+        # Everything but the last token: generate runs that one and goes on.
+        cache, _ = self._build(segs, len(ids) - 1)
+        full = torch.as_tensor(ids, device=self.model.device)[None]
+        generate_kwargs[self.prefix._cache_arg] = cache
+        out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
+        self._end()
+        return out
+
+    def _end(self) -> None:
+        for name in _Stats.__slots__:
+            setattr(self._total, name, getattr(self._total, name) + getattr(self._last, name))
+
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Tokens per request and in total: ``queried``; ``served`` (stored KV used as is); ``recomputed``
+        (stored KV of moved passages computed again); ``computed`` (no stored KV: the anchor's and new
+        passages' first computation, the question). ``served + recomputed + computed == queried``."""
+        return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+def _rotary_frequencies(model: Any) -> Any:
+    """The model's one set of RoPE inverse frequencies (float32, on the CPU).
+
+    Raises:
+        UnsupportedModelError: no rotary module, or several different ones.
+    """
+    import torch
+
+    found = [m.inv_freq for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    name = type(model).__name__
+    if not found:
+        raise UnsupportedModelError(f"{name} has no rotary module with inverse frequencies (learned absolute "
+                                    "positions, ALiBi, a precomputed sin/cos table, or no positions): a passage's "
+                                    "stored KV cannot be moved to another position")
+    freqs = {tuple(f.detach().float().cpu().tolist()) for f in found}
+    if len(freqs) != 1:
+        raise UnsupportedModelError(f"{name} uses {len(freqs)} different RoPE frequency sets (per-layer RoPE): "
+                                    "moving stored keys is not supported")
+    return found[0].detach().float().cpu()
+
+
+def _rotate(k: Any, old: np.ndarray, new: np.ndarray, inv_freq: Any) -> None:
+    """Rotate keys stored at positions ``old`` to positions ``new`` in place (transformers' rotate-half RoPE).
+
+    ``k``: (layers, heads, tokens, head_dim). The angle moved is the one transformers uses at
+    each position (float32 products) taken apart in float64, so the result matches keys
+    computed at ``new`` up to rounding of the multiply.
+    """
+    import torch
+
+    half = inv_freq.numel()
+    f = inv_freq.float()
+    angle = ((torch.as_tensor(new, dtype=torch.float32)[:, None] * f).double()
+             - (torch.as_tensor(old, dtype=torch.float32)[:, None] * f).double())
+    cos, sin = torch.cos(angle).to(k.device), torch.sin(angle).to(k.device)
+    with torch.no_grad():
+        x1, x2 = k[..., :half].double(), k[..., half : 2 * half].double()
+        k[..., :half] = (x1 * cos - x2 * sin).to(k.dtype)
+        k[..., half : 2 * half] = (x2 * cos + x1 * sin).to(k.dtype)
+
+
+def _check_moves(model: Any, inv_freq: Any, pc: PrefixCache) -> None:
+    """Refuse a model whose KV does not move exactly with a rotation of its keys.
+
+    The same tokens are run at positions 0.. and at 37..: with RoPE in transformers'
+    rotate-half layout, every layer's values agree and the first run's keys rotated by 37
+    agree with the second's. Anything else (learned positions mixed in, interleaved RoPE,
+    positions the model ignores) is refused.
+
+    Raises:
+        UnsupportedModelError: with the largest difference found.
+    """
+    import torch
+
+    name = type(model).__name__
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", 0) or 100)
+    probe = torch.tensor([[(7 * i + 11) % vocab for i in range(8)]], device=model.device)
+    runs = []
+    with torch.no_grad():
+        for start in (0, _SHIFT):
+            out = model(probe, position_ids=torch.arange(start, start + 8, device=model.device)[None], use_cache=True)
+            runs.append(_layers(pc._output_cache(out)))
+    worst = 0.0
+    exact = next(model.parameters()).dtype == torch.float32
+    for (k0, v0), (k1, v1) in zip(*runs, strict=True):
+        k = k0[0].clone().float()
+        _rotate(k, np.arange(8), np.arange(_SHIFT, _SHIFT + 8), inv_freq)
+        scale = max(1.0, float(k1.abs().max()), float(v1.abs().max()))
+        worst = max(worst, float((k - k1[0].float()).abs().max()) / scale, float((v0 - v1).abs().max()) / scale)
+    if not worst <= (1e-4 if exact else 3e-2):
+        raise UnsupportedModelError(f"{name}'s KV does not move with a rotation of its keys (relative difference "
+                                    f"{worst:.2g} after moving 8 tokens by {_SHIFT}): its positions are not "
+                                    "transformers-layout RoPE alone")
+
+
+_SCATTER: Any = None
+
+
+def _scatter_layer_class() -> Any:
+    """A cache layer over full-prompt buffers that writes a pass's KV at given positions."""
+    global _SCATTER
+    if _SCATTER is not None:
+        return _SCATTER
+    from transformers.cache_utils import DynamicLayer
+
+    class _ScatterLayer(DynamicLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, at: Any, record: list[Any] | None) -> None:
+            super().__init__()
+            self.lazy_initialization(kbuf, vbuf)
+            self._kbuf, self._vbuf, self._n, self._at, self._record = kbuf, vbuf, n, at, record
+            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if self._record is not None:
+                self._record.append(value_states)
+                raise _Stop
+            self._kbuf[:, :, self._at] = key_states
+            self._vbuf[:, :, self._at] = value_states
+            return self.keys, self.values
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return int(self._n)
+
+    _SCATTER = _ScatterLayer
+    return _SCATTER

@@ -1,0 +1,295 @@
+"""ChunkCache: passages reused anywhere in a prompt, against transformers computing the same ids.
+
+The exact cases are differential: ``recompute=1.0`` against a full prefill, over several
+architectures, passage orders and selections; a single passage right after the anchor against
+PrefixCache's exact reuse. The approximate settings are checked for what they promise (the
+question and the chosen tokens computed, approximate KV never stored as exact prefix blocks);
+their quality is measured by bench/chunk_quality.py, not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, UnsupportedModelError
+from promptstore.llm import ChunkCache, PrefixCache
+from promptstore.llm._chunks import CHUNK_KIND, _rotary_frequencies, _rotate
+
+import llm_zoo
+from conftest import run_python
+
+ATOL = 1e-4
+
+
+def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
+        yield s
+
+
+def segments(vocab: int, seed: int, sizes=(37, 50, 23, 41)) -> tuple[list[int], list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    anchor = rng.integers(1, vocab, 11).tolist()
+    passages = [rng.integers(1, vocab, n).tolist() for n in sizes]
+    question = rng.integers(1, vocab, 7).tolist()
+    return anchor, passages, question
+
+
+def kv_of(out):
+    """The cache a forward returned (transformers 5.24 calls it ``cache``, earlier ones ``past_key_values``)."""
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def full_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.as_tensor([ids], device=model.device)).logits[0, -1]
+
+
+def run_orders(model, store, recompute, select, vocab, seed=0):
+    """Every passage order in turn (the first request stores the passages): max score difference per request."""
+    cc = ChunkCache(model, store=store, recompute=recompute, select=select)
+    anchor, passages, question = segments(vocab, seed)
+    diffs = []
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        segs = [anchor, *[passages[i] for i in order], question]
+        ids = [t for s in segs for t in s]
+        cache, logits = cc.prefill(segs)
+        assert cache.get_seq_length() == len(ids)
+        last = cc.stats["last"]
+        assert last["served"] + last["recomputed"] + last["computed"] == last["queried"] == len(ids)
+        diffs.append((logits - full_logits(model, ids)).abs().max().item())
+    return cc, diffs
+
+
+@pytest.mark.parametrize("select", ["recent", "blend", "first"])
+def test_recompute_all_equals_a_full_prefill(tiny, store, select):
+    cc, diffs = run_orders(tiny, store, 1.0, select, 500)
+    assert max(diffs) <= ATOL
+    assert cc.stats["last"]["recomputed"] > 0  # passages did come from the store, then were recomputed
+
+
+# Families with rotate-half RoPE that PrefixCache serves, one each; partial rotary included (stablelm, persimmon).
+ORACLE_TYPES = ["llama", "qwen2", "qwen3", "gemma", "olmo2", "stablelm", "persimmon", "granite", "phi", "gpt_neox",
+                "falcon", "glm4_moe"]
+
+
+@pytest.mark.parametrize("model_type", ORACLE_TYPES)
+def test_recompute_all_equals_a_full_prefill_across_architectures(model_type, store):
+    model, why = llm_zoo.build(model_type)
+    assert model is not None, why
+    vocab = llm_zoo.vocab_of(model)
+    cc, diffs = run_orders(model, store, 1.0, "blend", vocab, seed=1)
+    assert max(diffs) <= ATOL * max(1.0, float(full_logits(model, list(range(1, 9))).abs().max()))
+    # Moved without recompute, layer 0 (which sees no other token's state) must equal a direct
+    # computation at the new positions: the rotation of stored keys is exact for this architecture.
+    anchor, passages, question = segments(vocab, 1)
+    segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
+    cache, _ = ChunkCache(model, store=store, recompute=0.0).prefill(segs)
+    with torch.no_grad():
+        ref = model(torch.as_tensor([[t for s in segs for t in s]]), use_cache=True)
+    ref_cache = kv_of(ref)
+    k, rk = cache.layers[0].keys, ref_cache.layers[0].keys
+    v, rv = cache.layers[0].values, ref_cache.layers[0].values
+    scale = max(1.0, rk.abs().max().item())
+    assert (k - rk).abs().max().item() <= 1e-5 * scale and (v - rv).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_both_attention_kernels_take_the_recompute_mask(impl, store):
+    model = tiny_model(attn_implementation=impl)
+    _, diffs = run_orders(model, store, 1.0, "recent", 500, seed=2)
+    assert max(diffs) <= ATOL
+
+
+def test_a_single_passage_after_the_anchor_equals_prefix_reuse(tiny, tmp_path):
+    anchor, passages, question = segments(500, 3)
+    with PromptStore(tmp_path / "a") as a, PromptStore(tmp_path / "b") as b:
+        cc = ChunkCache(tiny, store=a, recompute=0.0)
+        cc.prefill([anchor, passages[0], [9, 9]])  # stores the anchor blocks and the passage
+        _, chunk_logits = cc.prefill([anchor, passages[0], question])
+        assert cc.stats["last"]["computed"] == len(question)
+        pc = PrefixCache(tiny, store=b)
+        pc.prefill(anchor + passages[0] + [9, 9])
+        _, prefix_logits = pc.prefill(anchor + passages[0] + question)
+        assert pc.stats["last"]["served"] == cc.stats["last"]["served"]
+    # Not bit-equal: the passage was computed in its own forward (another split of the same tokens),
+    # which moves float rounding at the 1e-7 level, as transformers alone does for any split.
+    assert (chunk_logits - prefix_logits).abs().max().item() <= 1e-5
+
+
+def test_moved_keys_equal_keys_computed_at_the_new_position(tiny):
+    """Layer 0 sees no other token's state: a moved passage's layer-0 KV must equal a direct computation."""
+    inv = _rotary_frequencies(tiny)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        at0 = kv_of(tiny(ids, use_cache=True)).layers[0].keys[0].clone()
+        at300 = kv_of(tiny(ids, position_ids=torch.arange(300, 337)[None], use_cache=True)).layers[0].keys[0]
+    _rotate(at0, np.arange(37), np.arange(300, 337), inv)
+    assert (at0 - at300).abs().max().item() <= 1e-5
+
+
+def test_question_and_chosen_tokens_are_computed_and_nothing_approximate_is_stored_as_exact(tiny, store):
+    anchor, passages, question = segments(500, 4)
+    cc = ChunkCache(tiny, store=store, recompute=0.25, select="recent")
+    cc.prefill([anchor, *passages, question])  # stores the anchor and every passage
+    segs = [anchor, passages[2], passages[0], passages[3], passages[1], question]
+    _, logits = cc.prefill(segs)
+    last = cc.stats["last"]
+    moved = sum(len(p) for p in (passages[0], passages[3], passages[1]))
+    assert last["computed"] == len(question)
+    assert last["recomputed"] == round(0.25 * moved)
+    assert last["served"] == len(anchor) + len(passages[2]) + moved - last["recomputed"]
+    # Approximate KV (moved passages) is never served as an exact prefix.
+    pc = PrefixCache(tiny, store=store)
+    ids = [t for s in segs for t in s]
+    pc.lookup(ids)
+    _, exact = pc.prefill(ids)
+    assert pc.stats["last"]["served"] <= len(anchor) + len(passages[2])
+    assert (exact - full_logits(tiny, ids)).abs().max().item() <= ATOL
+    assert store.ls(kind=CHUNK_KIND)
+
+
+def test_generate_with_recompute_all_equals_model_generate(tiny, store):
+    anchor, passages, question = segments(500, 5)
+    cc = ChunkCache(tiny, store=store, recompute=1.0)
+    cc.prefill([anchor, *passages, question])
+    segs = [anchor, passages[1], passages[3], passages[0], question]
+    ids = [t for s in segs for t in s]
+    out = cc.generate(segs, max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        ref = tiny.generate(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=12, do_sample=False)
+    assert out[0].tolist() == ref[0].tolist()
+    assert cc.stats["last"]["recomputed"] > 0
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("gpt2", "no rotary"),          # learned absolute positions
+    ("bloom", "no rotary"),         # ALiBi
+    ("mpt", "no rotary"),           # ALiBi
+    ("gptj", "no rotary"),          # RoPE from a precomputed sin/cos table
+    ("cohere", "does not move"),    # interleaved RoPE: the probe finds that a rotate-half rotation is wrong for it
+])
+def test_models_whose_positions_cannot_move_are_refused_before_anything_is_stored(model_type, why, store):
+    model, reason = llm_zoo.build(model_type)
+    assert model is not None, reason
+    with pytest.raises(UnsupportedModelError) as err:
+        ChunkCache(model, store=store)
+    text = str(err.value)
+    assert ("no rotary module" in text) if why == "no rotary" else ("does not move" in text)
+    assert not store.ls(kind=CHUNK_KIND)
+
+
+def test_length_dependent_rope_is_refused(store):
+    model = tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError):
+        ChunkCache(model, store=store)
+
+
+def test_flash_style_kernels_without_a_mask_are_refused(store):
+    model = tiny_model()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(UnsupportedModelError, match="sdpa"):
+        ChunkCache(model, store=store)
+
+
+@pytest.mark.parametrize("kwargs", [{"recompute": 1.5}, {"recompute": -0.1}, {"recompute": True}, {"select": "best"}])
+def test_bad_settings_are_refused(tiny, store, kwargs):
+    with pytest.raises(InvalidInputError):
+        ChunkCache(tiny, store=store, **kwargs)
+
+
+@pytest.mark.parametrize("segs", [[], [[1, 2, 3]], "a string", [[1, 2], []], [[1, 2], [1, 10**6], [3]],
+                                  [[1, 2], [[1, 2], [3, 4]], [5]], [[1, 2], [1.5, 2.0], [3]]])
+def test_bad_segments_fail_before_any_work(tiny, store, segs):
+    cc = ChunkCache(tiny, store=store)
+    before = len(store.ls())
+    with pytest.raises(InvalidInputError):
+        cc.prefill(segs)
+    assert len(store.ls()) == before
+
+
+def test_text_segments_need_a_tokenizer(tiny, store):
+    with pytest.raises(InvalidInputError, match="tokenizer"):
+        ChunkCache(tiny, store=store).prefill(["system", "passage", "question"])
+
+
+def test_a_damaged_passage_entry_is_a_miss_not_an_error(tiny, tmp_path):
+    anchor, passages, question = segments(500, 6)
+    with PromptStore(tmp_path / "s", memory_bytes=0) as s:
+        cc = ChunkCache(tiny, store=s, recompute=1.0)
+        cc.prefill([anchor, *passages, question])
+        for path in (tmp_path / "s").rglob("*"):
+            if path.is_file() and path.stat().st_size > 20000:  # the passages' KV files
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+        with pytest.warns(Warning):
+            _, logits = cc.prefill([anchor, passages[3], passages[0], passages[1], passages[2], question])
+    ids = anchor + passages[3] + passages[0] + passages[1] + passages[2] + question
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_a_fresh_process_serves_the_stored_passages(tmp_path):
+    code = """
+    import sys, json, torch, numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from test_chunks import tiny_model, segments, full_logits
+    from promptstore import PromptStore
+    from promptstore.llm import ChunkCache
+    model = tiny_model()
+    anchor, passages, question = segments(500, 7)
+    cc = ChunkCache(model, store=PromptStore(sys.argv[1]), recompute=float(sys.argv[3]))
+    order = [int(c) for c in sys.argv[4]]
+    segs = [anchor, *[passages[i] for i in order], question]
+    _, logits = cc.prefill(segs)
+    ids = [t for s in segs for t in s]
+    print(json.dumps({"stats": cc.stats["last"], "diff": (logits - full_logits(model, ids)).abs().max().item()}))
+    """
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    first = json.loads(run_python(code, str(tmp_path / "s"), here, "1.0", "0123").stdout.splitlines()[-1])
+    assert first["stats"]["served"] == 0
+    again = json.loads(run_python(code, str(tmp_path / "s"), here, "1.0", "3102").stdout.splitlines()[-1])
+    assert again["stats"]["computed"] == 7  # the question only: the anchor and every passage came from the store
+    assert again["stats"]["served"] + again["stats"]["recomputed"] == again["stats"]["queried"] - 7
+    assert again["diff"] <= ATOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+def test_gpu_passages_move_and_recompute_exactly(tmp_path):
+    with torch.device("cuda"):
+        model = tiny_model()
+    anchor, passages, question = segments(500, 8)
+    segs = [anchor, passages[2], passages[0], passages[3], passages[1], question]
+    ids = [t for s in segs for t in s]
+    for memory in ("64MiB", 0):  # passages from the memory tier, then from files
+        with PromptStore(tmp_path / f"s{memory}", memory_bytes=memory) as s:
+            ChunkCache(model, store=s).prefill([anchor, *passages, question])
+            cache, logits = ChunkCache(model, store=s, recompute=1.0).prefill(segs)
+            assert (logits - full_logits(model, ids)).abs().max().item() <= ATOL
+            cache, _ = ChunkCache(model, store=s, recompute=0.0).prefill(segs)
+            with torch.no_grad():
+                out = model(torch.as_tensor([ids], device="cuda"), use_cache=True)
+            ref = kv_of(out).layers[0]
+            assert (cache.layers[0].keys - ref.keys).abs().max().item() <= 1e-5
+            assert (cache.layers[0].values - ref.values).abs().max().item() <= 1e-5
