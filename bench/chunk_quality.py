@@ -52,12 +52,10 @@ END = "<|im_end|>\n<|im_start|>assistant\n"
 SETTINGS = [  # (label, recompute, select); EPIC's token counts are per passage, made a fraction in main()
     ("no recompute", 0.0, "recent"),
     ("EPIC first 16/passage", 16, "first"),
-    ("EPIC first 32/passage", 32, "first"),
     ("CacheBlend 15%", 0.15, "blend"),
     ("CacheBlend 30%", 0.30, "blend"),
     ("recent 10% (default)", 0.10, "recent"),
     ("recent 15%", 0.15, "recent"),
-    ("recent 20%", 0.20, "recent"),
 ]
 
 
@@ -121,6 +119,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--greedy", type=int, default=32)
     parser.add_argument("--settings", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--store", help="a store folder to reuse (passages already stored there are not recomputed)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -130,7 +129,7 @@ def main() -> None:
     pool = passage_pool(tok, args.tokens, max(3 * k, min(4 * args.prompts, 400)), rng)
     anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
     questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
-    folder = tempfile.mkdtemp(prefix="ps-chunks-")
+    folder = args.store or tempfile.mkdtemp(prefix="ps-chunks-")
     settings = [(label, r / args.tokens if r >= 1 else r, sel) for label, r, sel in SETTINGS
                 if not args.settings or label in args.settings]
     caches = {label: ChunkCache(model, tok, PromptStore(folder, memory_bytes=0), recompute=r, select=sel)
@@ -177,12 +176,18 @@ def main() -> None:
             r["full"].append(full_s)
         if (n + 1) % 10 == 0 or n + 1 == len(prompts):
             print(f"{n + 1}/{len(prompts)} prompts", flush=True)
+            summarise(rows, settings, n + 1, args)  # written as it goes: a stopped run keeps what it measured
+
+
+def summarise(rows: dict, settings: list, done: int, args: argparse.Namespace) -> None:
+    """Per-setting figures over the prompts done so far, printed and written to chunk_quality_{k}x{tokens}.json."""
+    k = args.passages
     results = {}
     for label, recompute, select in settings:
         r = {key: np.array(v) for key, v in rows[label].items()}
         dec = r["decisive"] == 1
         results[label] = {
-            "recompute": recompute, "select": select, "prompts": len(prompts), "decisive": int(dec.sum()),
+            "recompute": recompute, "select": select, "prompts": done, "decisive": int(dec.sum()),
             "top1_decisive": float(r["top1"][dec].mean()) if dec.any() else None,
             "top1_near_tie": float(r["top1"][~dec].mean()) if (~dec).any() else None,
             "top1_all": float(r["top1"].mean()),
@@ -193,13 +198,13 @@ def main() -> None:
         }
         x = results[label]
         print(f"{label:24s} TTFT {x['ttft_s'] * 1000:6.0f} ms  full {x['full_s']:.2f} s  {x['speedup']:5.1f}x  "
-              f"top-1 decisive {x['top1_decisive']:.1%} ({x['decisive']})  near-tie {x['top1_near_tie'] or 0:.1%}  "
+              f"top-1 decisive {x['top1_decisive'] or 0:.1%} ({x['decisive']})  near-tie {x['top1_near_tie'] or 0:.1%}  "
               f"KL {x['kl_mean']:.4f} (p90 {x['kl_p90']:.4f})  greedy {args.greedy} all {x['greedy_all']:.0%} "
               f"lead {x['greedy_lead']:.1f}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"chunk_quality_{k}x{args.tokens}.json"
     path.write_text(json.dumps({"machine": machine(), "passages": k, "tokens": args.tokens, "greedy": args.greedy,
-                                "prompts": len(prompts), "results": results}, indent=1))
+                                "prompts": done, "results": results}, indent=1))
     print(f"wrote {path}")
 
 

@@ -14,6 +14,7 @@ Needs the ``vision`` extra: ``pip install "promptstore[vision]"``.
 from ._classes import ClassesReport, export_npz, import_npz, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 from ._visual import VisualReport, visual_pe
+from ._zeroshot import zero_shot_classifier
 
 __all__ = [
     "set_classes",
@@ -25,4 +26,5 @@ __all__ = [
     "import_npz",
     "visual_pe",
     "VisualReport",
+    "zero_shot_classifier",
 ]

@@ -11,7 +11,7 @@ from typing import Any
 from promptstore.cli import open_store
 from promptstore.errors import InvalidInputError
 
-from ._classes import Recipes, check_names, encode_and_store, set_classes
+from ._classes import TEXT_KIND, Recipes, check_names, encode_and_store, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 
 
@@ -46,8 +46,57 @@ def parse_encoder(spec: str, seed: int) -> TextEncoder:
     raise InvalidInputError(f"encoder is open_clip:MODEL[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS], got {spec!r}")
 
 
+def read_templates(spec: str) -> list[Any]:
+    """``openai`` (80) or ``simple`` (7): open_clip's ImageNet templates; else a .txt file of format strings."""
+    import open_clip
+
+    if spec == "openai":
+        return list(open_clip.OPENAI_IMAGENET_TEMPLATES)
+    if spec == "simple":
+        return list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
+    path = Path(spec)
+    if not path.is_file():
+        raise InvalidInputError(f"templates are openai, simple or a .txt file of format strings; {spec} not found")
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def _zero_shot(args: argparse.Namespace) -> tuple[Any, str, int]:
+    """Warm an open_clip zero-shot classifier: every (class, template) prompt and every class's weights."""
+    import open_clip
+    import torch
+
+    from ._zeroshot import zero_shot_classifier
+
+    kind, _, rest = args.encoder.partition(":")
+    name, _, weights = rest.partition(":")
+    if kind != "open_clip" or not name:
+        raise InvalidInputError(f"--templates needs --encoder open_clip:MODEL[:WEIGHTS], got {args.encoder!r}")
+    if args.names == "imagenet":
+        names = list(open_clip.IMAGENET_CLASSNAMES)  # with open_clip's own repeats ("missile", "sunglasses")
+    else:
+        names = read_names(args.names)
+    templates = read_templates(args.templates)
+    if not weights:
+        warnings.warn(f"{args.encoder} has random weights (no checkpoint given): the classifier has the right shape and "
+                      "cost but no meaning", stacklevel=2)
+    torch.manual_seed(args.seed)
+    model = open_clip.create_model(name, pretrained=weights or None).eval()
+    t0 = time.perf_counter()
+    with open_store(args, create=True) as store:
+        w = zero_shot_classifier(model, open_clip.get_tokenizer(name), names, templates, store=store, batch=args.batch)
+        encoded = store.stats()["kinds"].get(TEXT_KIND, {}).get("misses", 0)  # each prompt not found was encoded
+    seconds = time.perf_counter() - t0
+    data = {"classes": len(names), "templates": len(templates), "prompts": len(names) * len(templates),
+            "encoded": encoded, "seconds": seconds, "shape": list(w.shape)}
+    return data, (f"{len(names)} classes x {len(templates)} templates: {encoded} prompts encoded, classifier "
+                  f"{tuple(w.shape)} in the store ({seconds:.1f} s)"), 0
+
+
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("names", help="a .txt file (one name per line), an ultralytics dataset .yaml, or coco / lvis")
+    p.add_argument("names", help="a .txt file (one name per line), an ultralytics dataset .yaml, coco / lvis, or "
+                                 "imagenet (open_clip's class names; with --templates)")
+    p.add_argument("--templates", help="build an open_clip zero-shot classifier: openai, simple, or a .txt file of "
+                                       "format strings ({} is the class name)")
     p.add_argument("--encoder", required=True, help="open_clip:MobileCLIP2-B[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS]")
     p.add_argument("--detector", help="a YOLOE .yaml or .pt: also store its detector-ready embeddings")
     p.add_argument("--seed", type=int, default=0, help="seed of a random-init open_clip encoder")
@@ -55,6 +104,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
+    if args.templates:
+        return _zero_shot(args)
     names = read_names(args.names)
     encoder = parse_encoder(args.encoder, args.seed)
     if getattr(encoder, "random_weights", False):
