@@ -11,11 +11,12 @@ import pytest
 import torch
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
 
-from conftest import run_python
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 from promptstore.vision import zero_shot_classifier
 from promptstore.vision._classes import TEXT_KIND
+
+from conftest import run_python
 
 CLASSES = list(IMAGENET_CLASSNAMES[:10])
 TEMPLATES = list(OPENAI_IMAGENET_TEMPLATES[:5])
