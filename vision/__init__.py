@@ -13,6 +13,7 @@ Needs the ``vision`` extra: ``pip install "promptstore[vision]"``.
 
 from ._classes import ClassesReport, export_npz, import_npz, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
+from ._owl import owl_detect
 from ._visual import VisualReport, visual_pe
 from ._zeroshot import zero_shot_classifier
 
@@ -27,4 +28,5 @@ __all__ = [
     "visual_pe",
     "VisualReport",
     "zero_shot_classifier",
+    "owl_detect",
 ]

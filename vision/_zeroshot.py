@@ -72,6 +72,8 @@ def _vocabulary_digest(tokenizer: Any) -> str:
     if hasattr(tokenizer, "encoder") and hasattr(tokenizer, "bpe_ranks"):  # open_clip's SimpleTokenizer
         state = json.dumps([sorted(tokenizer.encoder.items()), sorted((" ".join(k), v) for k, v in tokenizer.bpe_ranks.items()),
                             getattr(tokenizer, "all_special_ids", None), _clean_name(tokenizer)])
+    elif hasattr(tokenizer, "backend_tokenizer"):  # a transformers tokenizer (OWL-ViT's CLIP tokenizer)
+        state = tokenizer.backend_tokenizer.to_str()
     elif hasattr(getattr(tokenizer, "tokenizer", None), "backend_tokenizer"):  # open_clip's HFTokenizer
         state = tokenizer.tokenizer.backend_tokenizer.to_str() + _clean_name(tokenizer)
     else:

@@ -1,0 +1,184 @@
+"""owl_detect against transformers' own OWLv2 / OWL-ViT call (random-init models from configs, no hub)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+from transformers import (
+    CLIPTokenizer,
+    Owlv2Config,
+    Owlv2ForObjectDetection,
+    Owlv2ImageProcessor,
+    Owlv2Processor,
+    OwlViTConfig,
+    OwlViTForObjectDetection,
+    OwlViTImageProcessor,
+    OwlViTProcessor,
+)
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError
+from promptstore.vision import owl_detect
+from promptstore.vision._classes import TEXT_KIND
+
+QUERIES = ["a forklift", "a pallet", "a person in a hard hat", "a cardboard box"]
+SMALL = dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              max_position_embeddings=16, vocab_size=49408),
+             vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=128, patch_size=32), projection_dim=64)  # OWL heads need projection_dim == text width
+
+
+def clip_tokenizer_in(folder) -> CLIPTokenizer:
+    """OWL's CLIP tokenizer, built offline from the BPE vocabulary open_clip ships (the same vocabulary)."""
+    from pathlib import Path
+
+    bpe = open_clip.get_tokenizer("ViT-B-32")
+    folder = Path(folder)
+    names = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    (folder / "vocab.json").write_text(json.dumps({names.get(k, k): v for k, v in bpe.encoder.items()}))
+    merges = sorted(bpe.bpe_ranks.items(), key=lambda kv: kv[1])
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(pair) for pair, _ in merges) + "\n")
+    # OWL's tokenizer pads with "!" (id 0) to 16 tokens: the detector reads id 0 first as "padded query".
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token="!", model_max_length=16)
+
+
+@pytest.fixture(scope="module")
+def clip_tokenizer(tmp_path_factory):
+    return clip_tokenizer_in(tmp_path_factory.mktemp("clip-tokenizer"))
+
+
+def detector(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "owlv2":
+        return Owlv2ForObjectDetection(Owlv2Config(**SMALL)).eval(), Owlv2Processor
+    model = OwlViTForObjectDetection(OwlViTConfig(**SMALL)).eval()
+    return model, OwlViTProcessor
+
+
+def build(kind, tokenizer, seed=0):
+    model, processor_cls = detector(kind, seed)
+    image_cls = Owlv2ImageProcessor if kind == "owlv2" else OwlViTImageProcessor
+    image_processor = image_cls(size={"height": 128, "width": 128}, crop_size={"height": 128, "width": 128})
+    return model, processor_cls(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def images(n=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, (96 + 16 * i, 120, 3), dtype=np.uint8) for i in range(n)]
+
+
+class TextRuns:
+    """Counts text-tower forwards (a hook on its embeddings)."""
+
+    def __init__(self, model) -> None:
+        base = model.owlv2 if hasattr(model, "owlv2") else model.owlvit
+        self.rows = 0
+        self.handle = base.text_model.embeddings.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.rows += output.shape[0]
+
+    def __enter__(self) -> TextRuns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def plain(model, processor, queries, imgs):
+    inputs = processor(text=[list(queries)] * len(imgs), images=imgs, return_tensors="pt")
+    with torch.no_grad():
+        return model(**inputs)
+
+
+@pytest.mark.parametrize("kind", ["owlv2", "owlvit"])
+def test_boxes_and_logits_equal_the_plain_call_and_a_hit_never_runs_the_text_tower(kind, clip_tokenizer, tmp_path):
+    model, processor = build(kind, clip_tokenizer)
+    imgs = images()
+    ref = plain(model, processor, QUERIES, imgs)
+    with PromptStore(tmp_path / "s") as store:
+        with TextRuns(model) as runs:
+            cold = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == len(QUERIES)
+        with TextRuns(model) as runs:
+            warm = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == 0
+        assert len(store.ls(kind=TEXT_KIND)) == len(QUERIES)
+    for out in (cold, warm):
+        assert type(out) is type(ref)
+        for name in ("logits", "pred_boxes", "class_embeds", "image_embeds", "text_embeds") + (
+                ("objectness_logits",) if kind == "owlv2" else ()):
+            a, b = getattr(out, name), getattr(ref, name)
+            assert a.shape == b.shape, name
+            assert (a - b).abs().max().item() <= 1e-5, name
+    # The processor's own post-processing takes the output as it is.
+    target = torch.tensor([[im.shape[0], im.shape[1]] for im in imgs])
+    post = processor.post_process_grounded_object_detection(warm, threshold=0.0, target_sizes=target)
+    ref_post = processor.post_process_grounded_object_detection(ref, threshold=0.0, target_sizes=target)
+    assert torch.allclose(post[0]["boxes"], ref_post[0]["boxes"], atol=1e-4)
+
+
+def test_a_new_query_encodes_only_itself_and_order_follows_the_queries(clip_tokenizer, tmp_path):
+    model, processor = build("owlv2", clip_tokenizer)
+    imgs = images(1)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        queries = [QUERIES[2], "a ladder", QUERIES[0]]
+        with TextRuns(model) as runs:
+            out = owl_detect(model, processor, queries, images=imgs, store=store)
+        assert runs.rows == 1
+    ref = plain(model, processor, queries, imgs)
+    assert (out.logits - ref.logits).abs().max().item() <= 1e-5
+
+
+def test_an_edited_text_weight_misses_and_a_vision_edit_still_hits(clip_tokenizer, tmp_path):
+    model, processor = build("owlv2", clip_tokenizer)
+    imgs = images(1)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        with torch.no_grad():
+            model.owlv2.text_projection.weight.data[0, 0] += 1.0  # through .data: no version counter sees it
+        with TextRuns(model) as runs:
+            out = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == len(QUERIES)
+        assert (out.logits - plain(model, processor, QUERIES, imgs).logits).abs().max().item() <= 1e-5
+        # A vision-side edit changes no query embedding: still hits.
+        with torch.no_grad():
+            model.layer_norm.weight.data += 0.1
+        with TextRuns(model) as runs:
+            owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == 0
+
+
+def test_another_detector_gets_no_hits(clip_tokenizer, tmp_path):
+    a, processor = build("owlv2", clip_tokenizer, seed=0)
+    b, _ = build("owlv2", clip_tokenizer, seed=1)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(a, processor, QUERIES, images=images(1), store=store)
+        with TextRuns(b) as runs:
+            owl_detect(b, processor, QUERIES, images=images(1), store=store)
+        assert runs.rows == len(QUERIES)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"queries": []}, {"queries": ["a", "a"]}, {"queries": ["a\x00"]}, {"queries": "a forklift"},
+    {"images": None}, {"pixel_values": torch.zeros(3, 128, 128)},
+])
+def test_bad_input_fails_before_any_work(clip_tokenizer, tmp_path, kwargs):
+    model, processor = build("owlv2", clip_tokenizer)
+    args = {"queries": QUERIES, "images": images(1), **kwargs}
+    if "pixel_values" in kwargs:
+        args.pop("images")
+    with PromptStore(tmp_path / "s") as store, TextRuns(model) as runs:
+        with pytest.raises(InvalidInputError):
+            owl_detect(model, processor, args.pop("queries"), store=store, **args)
+        assert runs.rows == 0 and not store.ls()
+
+
+def test_other_models_are_refused(clip_tokenizer, tmp_path):
+    with PromptStore(tmp_path / "s") as store, pytest.raises(InvalidInputError, match="Owl"):
+        owl_detect(torch.nn.Linear(2, 2), None, QUERIES, images=images(1), store=store)

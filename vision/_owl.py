@@ -1,0 +1,142 @@
+"""transformers' OWLv2 / OWL-ViT detection with text queries from the store.
+
+The detectors encode every text query on every call. Here each query's embedding (the text
+tower's pooled output, projected and L2-normalised: exactly what the detector's forward feeds
+its class head) is stored under the text side's fingerprint, and detection runs through the
+model's own heads (``image_embedder``, ``class_predictor``, ``box_predictor``,
+``objectness_predictor``) with those embeddings. On a hit the text tower never runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore, digest_tensors
+from promptstore.errors import InvalidInputError
+
+from ._classes import TEXT_KIND, Recipes, check_names
+from ._zeroshot import _tokenizer_fingerprint
+
+__all__ = ["owl_detect", "owl_query_fingerprint"]
+
+
+def _base(model: Any) -> tuple[Any, str]:
+    """(the detector's CLIP-like base model, its family) or a clear error."""
+    name = type(model).__name__
+    if name == "Owlv2ForObjectDetection":
+        return model.owlv2, "owlv2"
+    if name == "OwlViTForObjectDetection":
+        return model.owlvit, "owlvit"
+    raise InvalidInputError(f"expected transformers' Owlv2ForObjectDetection or OwlViTForObjectDetection, got {name}")
+
+
+def owl_query_fingerprint(model: Any, processor: Any) -> str:
+    """Names what turns a text query into this detector's query embedding.
+
+    Covers the text tower and projection (every weight and buffer, hashed on every call), the
+    model class and transformers version, the device type, and the tokenizer with the padding
+    the processor applies.
+    """
+    import transformers
+
+    base, family = _base(model)
+    tok = getattr(processor, "tokenizer", None)
+    if tok is None:
+        raise InvalidInputError("processor must be the detector's processor (Owlv2Processor / OwlViTProcessor)")
+    named = [(f"text_model.{n}", t) for n, t in list(base.text_model.named_parameters(remove_duplicate=False))
+             + list(base.text_model.named_buffers(remove_duplicate=False))]
+    named += [(f"text_projection.{n}", t) for n, t in base.text_projection.named_parameters(remove_duplicate=False)]
+    device = named[0][1].device.type if named else "cpu"
+    label = (f"{family}-text:{type(model).__qualname__}:transformers={transformers.__version__}:device={device}:"
+             f"{type(processor).__qualname__}:max_length={getattr(tok, 'model_max_length', None)}:"
+             f"pad={getattr(tok, 'pad_token_id', None)}:side={getattr(tok, 'padding_side', None)}")
+    return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}:{_tokenizer_fingerprint(tok)}"
+
+
+def _query_embeddings(model: Any, processor: Any, queries: list[str], store: PromptStore) -> tuple[Any, int]:
+    """(normalised query embeddings on the model's device, how many were encoded now)."""
+    import torch
+
+    base, _ = _base(model)
+    recipes = Recipes(store, owl_query_fingerprint(model, processor))
+    device = next(model.parameters()).device
+    found: dict[str, np.ndarray] = {}
+    for q in dict.fromkeys(queries):
+        entry = store.get(recipes.text(q), kind=TEXT_KIND)
+        if entry is not None and entry.tensors.get("text") is not None and entry.tensors["text"].ndim == 1:
+            found[q] = entry.tensors["text"]
+    missing = [q for q in dict.fromkeys(queries) if q not in found]
+    if missing:
+        t0 = time.perf_counter()
+        enc = processor(text=missing, return_tensors="pt")
+        with torch.no_grad():
+            out = base.text_model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device))
+            emb = base.text_projection(out.pooler_output)
+            # The detector's own normalisation (OwlViTModel / Owlv2Model.forward).
+            emb = emb / torch.linalg.norm(emb, ord=2, dim=-1, keepdim=True)
+        each = (time.perf_counter() - t0) / len(missing)
+        host = emb.float().cpu().numpy()
+        for q, e in zip(missing, host, strict=True):
+            store.put(recipes.text(q), {"text": e}, kind=TEXT_KIND, cost_s=each, meta={"name": q, "encoder": recipes.efp})
+            found[q] = e
+    dtype = next(model.parameters()).dtype
+    return torch.from_numpy(np.stack([found[q] for q in queries])).to(device=device, dtype=dtype), len(missing)
+
+
+def owl_detect(model: Any, processor: Any, queries: Sequence[str], *, images: Any = None, pixel_values: Any = None,
+               store: PromptStore | None = None, interpolate_pos_encoding: bool = False) -> Any:
+    """``model(**processor(text=[queries] * n, images=images))`` with each query's embedding from the store.
+
+    Args:
+        model: ``Owlv2ForObjectDetection`` or ``OwlViTForObjectDetection``, in eval mode.
+        processor: its processor (``Owlv2Processor`` / ``OwlViTProcessor``).
+        queries: the text queries, the same for every image (distinct, visible strings).
+        images: images for ``processor(images=...)``; or give ``pixel_values`` already processed.
+        store: default ``PromptStore()``.
+        interpolate_pos_encoding: as the model's forward takes it.
+
+    Returns:
+        The model's own output class (``Owlv2ObjectDetectionOutput`` / ``OwlViTObjectDetectionOutput``)
+        with ``logits``, ``pred_boxes``, ``objectness_logits`` (OWLv2), ``class_embeds``,
+        ``image_embeds``, ``text_embeds`` and ``vision_model_output`` as the plain call gives them
+        (``text_model_output`` is None: the text tower did not run), so the processor's
+        ``post_process_*`` functions take it as it is.
+
+    Raises:
+        InvalidInputError: a model or processor of another kind, bad queries, no images.
+    """
+    import torch
+
+    _base(model)
+    queries = check_names(list(queries) if not isinstance(queries, str) else queries)
+    if (images is None) == (pixel_values is None):
+        raise InvalidInputError("give images or pixel_values (one of them)")
+    if pixel_values is None:
+        pixel_values = processor(images=images, return_tensors="pt")["pixel_values"]
+    if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
+        raise InvalidInputError("pixel_values must be a (batch, 3, height, width) tensor")
+    store = store if store is not None else PromptStore()
+    query_embeds, _ = _query_embeddings(model, processor, queries, store)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        feature_map, vision_outputs = model.image_embedder(pixel_values=pixel_values.to(device),
+                                                           interpolate_pos_encoding=interpolate_pos_encoding)[:2]
+        batch, h, w, dim = feature_map.shape
+        image_feats = feature_map.reshape(batch, h * w, dim)
+        query = query_embeds[None].expand(batch, -1, -1)
+        mask = torch.ones(batch, len(queries), dtype=torch.bool, device=device)
+        logits, class_embeds = model.class_predictor(image_feats, query, mask)
+        boxes = model.box_predictor(image_feats, feature_map, interpolate_pos_encoding)
+        extra = {}
+        if hasattr(model, "objectness_predictor"):
+            extra["objectness_logits"] = model.objectness_predictor(image_feats)
+    from transformers.models.owlv2.modeling_owlv2 import Owlv2ObjectDetectionOutput
+    from transformers.models.owlvit.modeling_owlvit import OwlViTObjectDetectionOutput
+
+    cls = Owlv2ObjectDetectionOutput if extra else OwlViTObjectDetectionOutput
+    return cls(image_embeds=feature_map, text_embeds=query, pred_boxes=boxes, logits=logits, class_embeds=class_embeds,
+               text_model_output=None, vision_model_output=vision_outputs, **extra)
