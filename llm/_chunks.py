@@ -37,7 +37,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._prefix import CAPACITY_STEP, RESERVE_TOKENS, PrefixCache, _check_lengths, _copy_block, _host_view, _layers
+from ._prefix import CAPACITY_STEP, RESERVE_TOKENS, PrefixCache, _check_lengths, _copy_block, _Counts, _host_view, _layers
 
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
 
@@ -54,14 +54,8 @@ class _Stop(Exception):
     """Raised by the recording cache layer once it has what it needs: the rest of the forward is skipped."""
 
 
-class _Stats:
-    __slots__ = ("queried", "served", "recomputed", "computed", "requests")
-
-    def __init__(self) -> None:
-        self.queried = self.served = self.recomputed = self.computed = self.requests = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in self.__slots__}
+class _Stats(_Counts):
+    FIELDS = ("queried", "served", "recomputed", "computed", "requests")
 
 
 class ChunkCache:
@@ -358,8 +352,7 @@ class ChunkCache:
         return out
 
     def _end(self) -> None:
-        for name in _Stats.__slots__:
-            setattr(self._total, name, getattr(self._total, name) + getattr(self._last, name))
+        self._total.add(self._last)
 
     @property
     def stats(self) -> dict[str, dict[str, int]]:

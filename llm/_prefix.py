@@ -64,13 +64,20 @@ def _layers(cache: Any) -> list[tuple[Any, Any]]:
 
 
 class _Counts:
-    __slots__ = ("queried", "served", "computed", "generated", "requests")
+    """Token counters of a request, or of all requests (``add``)."""
+
+    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests")
 
     def __init__(self) -> None:
-        self.queried = self.served = self.computed = self.generated = self.requests = 0
+        for name in self.FIELDS:
+            setattr(self, name, 0)
 
     def as_dict(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in self.__slots__}
+        return {n: getattr(self, n) for n in self.FIELDS}
+
+    def add(self, other: _Counts) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class PrefixCache:
@@ -568,8 +575,7 @@ class PrefixCache:
         self._last.requests = 1
 
     def _end(self) -> None:
-        for name in _Counts.__slots__:
-            setattr(self._total, name, getattr(self._total, name) + getattr(self._last, name))
+        self._total.add(self._last)
 
     def prefill(self, input_ids: Any) -> tuple[Any, Any]:
         """Run only the tokens after the longest stored prefix, and store the new blocks and the tail.
