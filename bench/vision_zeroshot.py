@@ -35,10 +35,11 @@ import sys, time, json, torch, open_clip
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 from promptstore import PromptStore
 from promptstore.vision import zero_shot_classifier
-torch.set_num_threads(2)
-name, classes, templates, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+name, classes, templates, folder, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+if device == "cpu":
+    torch.set_num_threads(2)
 torch.manual_seed(0)
-model = open_clip.create_model(name, pretrained=None).eval()
+model = open_clip.create_model(name, pretrained=None).eval().to(device)
 tok = open_clip.get_tokenizer(name)
 rows = []
 model.token_embedding.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0]))
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--owl-queries", type=int, default=80)
     parser.add_argument("--owl-images", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args()
 
@@ -68,16 +70,19 @@ def main() -> None:
     from promptstore import PromptStore
     from promptstore.vision import zero_shot_classifier
 
-    torch.set_num_threads(2)
+    if args.device == "cpu":
+        torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = open_clip.create_model(args.model, pretrained=None).eval()
+    model = open_clip.create_model(args.model, pretrained=None).eval().to(args.device)
     tok = open_clip.get_tokenizer(args.model)
     n = min(args.cold_classes, args.classes)
     classes, templates = list(IMAGENET_CLASSNAMES[:n]), list(OPENAI_IMAGENET_TEMPLATES[: args.templates])
     scale = args.classes / n
     folder = tempfile.mkdtemp(prefix="ps-zs-")
     t0 = time.perf_counter()
-    ref = build_zero_shot_classifier(model, tok, classes, templates)
+    ref = build_zero_shot_classifier(model, tok, classes, templates, device=args.device)
+    if args.device != "cpu":
+        torch.cuda.synchronize()
     open_clip_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with PromptStore(folder) as store:
@@ -88,7 +93,7 @@ def main() -> None:
           f"(max diff {diff:.1e})", flush=True)
     warm = []
     for _ in range(args.repeats):
-        out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(n), str(len(templates)), folder],
+        out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(n), str(len(templates)), folder, args.device],
                              capture_output=True, text=True, check=True)
         warm.append(json.loads(out.stdout.splitlines()[-1]))
     assert all(w["encoded"] == 0 for w in warm)
@@ -101,15 +106,15 @@ def main() -> None:
     with PromptStore(folder) as store:
         zero_shot_classifier(model, tok, classes, templates + extra, store=store, progress=False)
     new_template_s, new_template_encoded = time.perf_counter() - t0, sum(rows)
-    zs = {"model": args.model, "classes": args.classes, "measured_classes": n, "templates": len(templates),
+    zs = {"model": args.model, "device": args.device, "classes": args.classes, "measured_classes": n, "templates": len(templates),
           "open_clip_s": open_clip_s * scale, "cold_s": cold_s * scale, "warm_fresh_s": warm_s,
           "warm_measured_classes": n, "new_template_s": new_template_s * scale,
           "new_template_encoded": int(new_template_encoded * scale), "max_diff": diff,
           "scaled": scale != 1, "speedup": open_clip_s * scale / warm_s}
     print(json.dumps(zs), flush=True)
-    owl = owl_bench(args.owl_queries, args.owl_images, args.repeats)
+    owl = owl_bench(args.owl_queries, args.owl_images, args.repeats) if args.owl_queries else None
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "vision_zeroshot.json"
+    path = args.out / ("vision_zeroshot.json" if args.device == "cpu" else f"vision_zeroshot_{args.device}.json")
     path.write_text(json.dumps({"machine": machine(), "zero_shot": zs, "owl": owl}, indent=1))
     print(f"wrote {path}")
 
