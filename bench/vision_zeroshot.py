@@ -94,12 +94,14 @@ def main() -> None:
     warm = []
     for _ in range(args.repeats):
         out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(n), str(len(templates)), folder, args.device],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True, cwd=tempfile.gettempdir())  # not a checkout's promptstore/
+        if out.returncode:
+            raise SystemExit(f"the fresh process failed:\n{out.stderr[-3000:]}")
         warm.append(json.loads(out.stdout.splitlines()[-1]))
     assert all(w["encoded"] == 0 for w in warm)
     warm_s = statistics.median(w["seconds"] for w in warm)
     extra = [OPENAI_IMAGENET_TEMPLATES[args.templates % len(OPENAI_IMAGENET_TEMPLATES)]] if args.templates < 80 else \
-        ["a photo of a {} in a warehouse."]
+        [lambda c: f"a photo of a {c} in a warehouse."]  # open_clip's templates are callables: so is this one
     rows = []
     model.token_embedding.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0]))
     t0 = time.perf_counter()
