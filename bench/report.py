@@ -119,6 +119,48 @@ def chunk_section(runs: list[dict]) -> list[str]:
     return lines + [f"![quality against TTFT]({path.relative_to(ROOT)})", ""]
 
 
+def zero_shot_section(runs: list[dict]) -> list[str]:
+    """Zero-shot classifiers (and OWL queries) cold, warm in a fresh process, one new template: a table and a plot."""
+    lines = ["## Zero-shot classifiers and OWL queries (promptstore.vision)", "",
+             "open_clip ViT-B-32 with random weights (real size), ImageNet classes x OpenAI templates. **open_clip**: "
+             "`build_zero_shot_classifier` (what every process pays today); **cold**: `zero_shot_classifier` on an empty "
+             "store (encodes and stores every prompt); **warm, fresh process**: a new process builds the model (not "
+             "timed), then `zero_shot_classifier` (tower fingerprint, one read); **new template**: one template added to "
+             "the warm classifier. `python bench/vision_zeroshot.py [--device cuda]`.", "",
+             "| machine | classifier | open_clip | cold | warm, fresh process | open_clip / warm | new template: prompts "
+             "encoded, seconds | max difference |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    labels, width = ["open_clip", "cold", "warm, fresh process", "new template"], 0.8 / max(len(runs), 1)
+    for j, run in enumerate(runs):
+        z = run["zero_shot"]
+        where = "H200" if z.get("device", "cpu") != "cpu" else f"{run['machine'].get('cores')}-core CPU"
+        scaled = (f" (open_clip, cold and new template measured on {z['measured_classes']} classes, scaled "
+                  f"linearly; warm measured on {z['warm_measured_classes']})") if z.get("scaled") else ""
+        lines.append(f"| {where} | {z['classes']:,} x {z['templates']}{scaled} | {z['open_clip_s']:.1f} s | "
+                     f"{z['cold_s']:.1f} s | {z['warm_fresh_s'] * 1000:.0f} ms | {z['open_clip_s'] / z['warm_fresh_s']:.0f}x"
+                     f" | {z['new_template_encoded']:,}, {z['new_template_s']:.1f} s | {z['max_diff']:.1e} |")
+        values = [z["open_clip_s"], z["cold_s"], z["warm_fresh_s"], z["new_template_s"]]
+        ax.bar([i + j * width for i in range(4)], values, width, label=where)
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(4)], labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.set_title("ImageNet zero-shot classifier (1,000 x 80 prompts)")
+    ax.legend()
+    fig.tight_layout()
+    path = PLOTS / "vision_zeroshot.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    lines += ["", f"![zero-shot classifier]({path.relative_to(ROOT)})", ""]
+    for run in runs:
+        o = run.get("owl")
+        if o:
+            lines += [f"OWL-ViT B/32 (768 px, random weights), {o['queries']} text queries, per image on this CPU: the "
+                      f"plain call {o['plain_per_image_s']:.2f} s, of which the text tower {o['plain_text_tower_s']:.2f} s; "
+                      f"`owl_detect` with the queries warm {o['warm_per_image_s']:.2f} s, text-tower runs: "
+                      f"{o['warm_text_tower_runs']}.", ""]
+    return lines
+
+
 def scaling_plots(sc: dict) -> tuple[str, str]:
     st = sc["store"]
     ns = sorted(int(n) for n in st)
@@ -259,9 +301,15 @@ def main() -> None:
     chunks = [run for run in (load(n) for n in CHUNK_RUNS) if run]
     if chunks:
         lines += chunk_section(chunks)
+    gpu_zs = BENCH / "results" / "vision_zeroshot_cuda.json"
+    zs = [run for run in (load("vision_zeroshot.json"),
+                          json.loads(gpu_zs.read_text()) if gpu_zs.exists() else None) if run]
+    if zs:
+        lines += zero_shot_section(zs)
     earlier = "*This section is kept from an earlier run: this one did not measure it.*"
     # Titles as _sections keys them (up to " ("): what this run wrote itself.
-    made = {"Headline", "Passages anywhere" if chunks else "", "LLM prefix reuse" if llm else ""}
+    made = {"Headline", "Passages anywhere" if chunks else "", "LLM prefix reuse" if llm else "",
+            "Zero-shot classifiers and OWL queries" if zs else ""}
     made |= {t for t, fresh in (("Vision class prompts", vision), ("Store", store), ("Scaling", scaling)) if fresh}
     for title, section in old.items():
         if title not in made:  # a section this run did not measure stays, marked as earlier
