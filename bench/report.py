@@ -154,7 +154,7 @@ def zero_shot_section(runs: list[dict]) -> list[str]:
     for run in runs:
         o = run.get("owl")
         if o:
-            lines += [f"OWL-ViT B/32 (768 px, random weights), {o['queries']} text queries, per image on this CPU: the "
+            lines += [f"OWLv2 B/16 (960 px, random weights), {o['queries']} text queries, per image on this CPU: the "
                       f"plain call {o['plain_per_image_s']:.2f} s, of which the text tower {o['plain_text_tower_s']:.2f} s; "
                       f"`owl_detect` with the queries warm {o['warm_per_image_s']:.2f} s, text-tower runs: "
                       f"{o['warm_text_tower_runs']}.", ""]

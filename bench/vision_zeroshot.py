@@ -11,7 +11,7 @@ Random-init towers of real size (no hub here). For the classifier, side by side:
 With --cold-classes N < --classes, open_clip's build and the cold build run on the first N
 classes only and are scaled to --classes linearly (said so in the output): 80,000 prompts take
 hours on two cores. The warm figure is then for the N-class classifier as well, and the row says so.
-For OWL (OWL-ViT B/32 size, 768 px): the plain call with --owl-queries text queries against
+For OWL (OWLv2 B/16 size, 960 px): the plain call with --owl-queries text queries against
 owl_detect with those queries warm; text-tower rows run per image.
 Writes vision_zeroshot.json. Not a test.
 """
@@ -114,7 +114,7 @@ def main() -> None:
           "new_template_encoded": int(new_template_encoded * scale), "max_diff": diff,
           "scaled": scale != 1, "speedup": open_clip_s * scale / warm_s}
     print(json.dumps(zs), flush=True)
-    owl = owl_bench(args.owl_queries, args.owl_images, args.repeats) if args.owl_queries else None
+    owl = owl_bench(args.owl_queries, args.owl_images, 1) if args.owl_queries else None
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("vision_zeroshot.json" if args.device == "cpu" else f"vision_zeroshot_{args.device}.json")
     path.write_text(json.dumps({"machine": machine(), "zero_shot": zs, "owl": owl}, indent=1))
@@ -122,10 +122,10 @@ def main() -> None:
 
 
 def owl_bench(n_queries: int, n_images: int, repeats: int) -> dict:
-    """OWL-ViT B/32 size: the plain call against owl_detect with a warm vocabulary, per image."""
+    """OWLv2 B/16 size: the plain call against owl_detect with a warm vocabulary, per image."""
     import numpy as np
     import torch
-    from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
 
     from promptstore import PromptStore
     from promptstore.vision import owl_detect
@@ -134,15 +134,15 @@ def owl_bench(n_queries: int, n_images: int, repeats: int) -> dict:
     from test_owl import clip_tokenizer_in  # noqa: E402 - the offline CLIP tokenizer the tests build
 
     torch.manual_seed(0)
-    model = OwlViTForObjectDetection(OwlViTConfig()).eval()  # B/32 at 768 px: the published base's shapes
-    processor = OwlViTProcessor(image_processor=OwlViTImageProcessor(), tokenizer=clip_tokenizer_in(tempfile.mkdtemp()))
+    model = Owlv2ForObjectDetection(Owlv2Config(vision_config={"image_size": 960, "patch_size": 16})).eval()  # owlv2-base
+    processor = Owlv2Processor(image_processor=Owlv2ImageProcessor(), tokenizer=clip_tokenizer_in(tempfile.mkdtemp()))
     from open_clip import IMAGENET_CLASSNAMES
 
     queries = [f"a photo of a {c}" for c in list(dict.fromkeys(IMAGENET_CLASSNAMES))[:n_queries]]
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 255, (480, 640, 3), dtype=np.uint8) for _ in range(n_images)]
     text_s: list[float] = []
-    base = model.owlvit
+    base = model.owlv2
     t_start = {}
     base.text_model.register_forward_pre_hook(lambda m, a, k: t_start.__setitem__("t", time.perf_counter()),
                                               with_kwargs=True)
