@@ -184,3 +184,19 @@ def test_a_fresh_process_builds_the_classifier_from_the_store(vitb32, tmp_path):
     for i in range(2):
         assert same(torch.load(Path(tmp_path / f"w{i}.pt")), ref) <= 1e-6
     assert np.isfinite(ref.numpy()).all()
+
+
+def test_a_classifier_travels_in_a_bundle_to_an_air_gapped_store(vitb32, tmp_path):
+    """Built on one machine, exported, imported elsewhere: the other store builds it without running the tower."""
+    from promptstore.vision._zeroshot import CLASSIFIER_KIND
+
+    model, tok = vitb32
+    with PromptStore(tmp_path / "a") as a:
+        built = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=a)
+        assert a.export_bundle(tmp_path / "zs.bundle", kind=CLASSIFIER_KIND) == 1
+    with PromptStore(tmp_path / "b") as b:
+        assert b.import_bundle(tmp_path / "zs.bundle") == 1
+        with Encoded(model) as enc:
+            again = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=b)
+        assert enc.rows == 0
+    assert torch.equal(built, again)
