@@ -93,7 +93,7 @@ def chunk_section(runs: list[dict]) -> list[str]:
              "SmolLM2-135M-Instruct fp32, 2 threads. RAG prompts of real English text (READMEs and licenses shipped in "
              "installed packages, long standard-library docstrings): a system line (the anchor), k passages in a new "
              "random order per prompt, one of four kinds of question. Every passage was stored beforehand (after the "
-             "anchor); TTFT is `ChunkCache.prefill` with the KV read from files (fingerprint, lookups, load, rotation, "
+             "anchor); TTFT is steady state (later requests of one process, not a fresh process's first) of `ChunkCache.prefill` with the KV read from files (fingerprint, lookups, load, rotation, "
              "selection, forward), against transformers' full prefill of the same ids, side by side, medians. "
              "Quality is against that full prefill: top-1 on decisive prompts (its top two scores at least 0.5 nats "
              "apart) and near-ties apart; KL(full ‖ cached) in nats; 32 greedy tokens. "
@@ -156,7 +156,7 @@ def zero_shot_section(runs: list[dict]) -> list[str]:
     for run in runs:
         o = run.get("owl")
         if o:
-            lines += [f"OWLv2 B/16 (960 px, random weights), {o['queries']} text queries, per image on this CPU: the "
+            lines += [f"OWLv2 B/16 (960 px, random weights), {o['queries']} text queries, per image on this CPU, in one process: the "
                       f"plain call {o['plain_per_image_s']:.2f} s, of which the text tower {o['plain_text_tower_s']:.2f} s; "
                       f"`owl_detect` with the queries warm {o['warm_per_image_s']:.2f} s, text-tower runs: "
                       f"{o['warm_text_tower_runs']}.", ""]

@@ -293,3 +293,18 @@ def test_gpu_passages_move_and_recompute_exactly(tmp_path):
             ref = kv_of(out).layers[0]
             assert (cache.layers[0].keys - ref.keys).abs().max().item() <= 1e-5
             assert (cache.layers[0].values - ref.values).abs().max().item() <= 1e-5
+
+
+def test_an_edited_weight_never_serves_a_stored_passage(tmp_path):
+    """The exact case (one passage right after the anchor) before and after an in-place edit through .data."""
+    model = tiny_model(seed=3)
+    anchor, passages, question = segments(500, 9)
+    segs = [anchor, passages[0], question]
+    with PromptStore(tmp_path / "s") as s:
+        cc = ChunkCache(model, store=s, recompute=0.0)
+        cc.prefill(segs)
+        with torch.no_grad():
+            model.model.layers[1].self_attn.v_proj.weight.data[0] += 0.5
+        _, logits = cc.prefill(segs)
+        assert cc.stats["last"]["served"] == 0
+    assert (logits - full_logits(model, [t for x in segs for t in x])).abs().max().item() <= ATOL

@@ -182,3 +182,15 @@ def test_bad_input_fails_before_any_work(clip_tokenizer, tmp_path, kwargs):
 def test_other_models_are_refused(clip_tokenizer, tmp_path):
     with PromptStore(tmp_path / "s") as store, pytest.raises(InvalidInputError, match="Owl"):
         owl_detect(torch.nn.Linear(2, 2), None, QUERIES, images=images(1), store=store)
+
+
+def test_a_changed_text_setting_that_is_no_weight_misses(clip_tokenizer, tmp_path):
+    model, processor = build("owlv2", clip_tokenizer)
+    imgs = images(1)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        model.owlv2.text_model.final_layer_norm.eps = 1e-1  # a setting, not a weight: it changes the embeddings
+        with TextRuns(model) as runs:
+            out = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == len(QUERIES)
+    assert (out.logits - plain(model, processor, QUERIES, imgs).logits).abs().max().item() <= 1e-5

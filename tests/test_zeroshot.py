@@ -200,3 +200,15 @@ def test_a_classifier_travels_in_a_bundle_to_an_air_gapped_store(vitb32, tmp_pat
             again = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=b)
         assert enc.rows == 0
     assert torch.equal(built, again)
+
+
+def test_a_changed_setting_that_is_no_weight_misses_and_equals_open_clip(tmp_path):
+    """Pooling, training mode: settings outside the weights change the features, so they change the key."""
+    model, tok = clip()
+    with PromptStore(tmp_path / "s") as store:
+        zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        model.text_pool_type = "first"  # open_clip pools the first token instead of the end-of-text one
+        with Encoded(model) as enc:
+            out = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        assert enc.rows == 6
+    assert same(out, build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])) <= 1e-6

@@ -19,7 +19,7 @@ from promptstore import PromptStore, digest_tensors
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes, check_names
-from ._zeroshot import _tokenizer_fingerprint
+from ._zeroshot import _tokenizer_fingerprint, module_settings
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
 
@@ -52,6 +52,8 @@ def owl_query_fingerprint(model: Any, processor: Any) -> str:
     named += [(f"text_projection.{n}", t) for n, t in base.text_projection.named_parameters(remove_duplicate=False)]
     device = named[0][1].device.type if named else "cpu"
     label = (f"{family}-text:{type(model).__qualname__}:transformers={transformers.__version__}:device={device}:"
+             f"{module_settings(base.text_model)}:{module_settings(base.text_projection)}:"
+             f"{base.config.text_config.to_json_string(use_diff=False)}:"
              f"{type(processor).__qualname__}:max_length={getattr(tok, 'model_max_length', None)}:"
              f"pad={getattr(tok, 'pad_token_id', None)}:side={getattr(tok, 'padding_side', None)}")
     return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}:{_tokenizer_fingerprint(tok)}"

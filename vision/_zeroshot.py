@@ -94,8 +94,27 @@ def tower_fingerprint(model: Any, tokenizer: Any) -> str:
     named = [(n, t) for n, t in list(model.named_parameters(remove_duplicate=False))
              + list(model.named_buffers(remove_duplicate=False)) if not n.startswith("visual.")]
     device = next((t.device.type for _, t in named), "cpu")
-    label = f"open_clip-text:{type(model).__qualname__}:open_clip={open_clip.__version__}:device={device}"
+    label = (f"open_clip-text:{type(model).__qualname__}:open_clip={open_clip.__version__}:device={device}:"
+             f"{module_settings(model, skip='visual')}")
     return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}:{_tokenizer_fingerprint(tokenizer)}"
+
+
+def module_settings(module: Any, skip: str = "") -> str:
+    """Every plain setting (numbers, strings, flags) of a module and its submodules, outside ``skip``.
+
+    Weights are not all that decides an output: open_clip's ``text_pool_type``, an attention
+    module's head count, dropout in training mode. A digest of them is part of a fingerprint.
+    """
+    import xxhash
+
+    plain = (bool, int, float, str, type(None))
+    rows = []
+    for name, sub in module.named_modules():
+        if skip and (name == skip or name.startswith(skip + ".")):
+            continue
+        settings = {k: v for k, v in vars(sub).items() if not k.startswith("_") and isinstance(v, plain)}
+        rows.append(f"{name}:{type(sub).__qualname__}:{sorted(settings.items())!r}")
+    return xxhash.xxh3_128_hexdigest("\n".join(rows).encode())
 
 
 def _render(classnames: list[str], templates: Sequence[str | Callable[[str], str]]) -> list[list[str]]:
