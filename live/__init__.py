@@ -1,0 +1,134 @@
+"""promptstore._live: what a torch model, tower or tokenizer computes *now*, for both adapters.
+
+A key must change whenever the output would. Files name what was loaded; this names what
+runs: every tensor of a module tree's state, every module's settings and ``training`` flag,
+its hooks (with what they capture), the live code its forward reaches (methods, module
+functions and registries such as transformers' attention functions, as bound now), the
+ambient torch state that changes numerics, and a tokenizer's options and tables.
+
+What is keyed, refused and out of contract is listed in the README ("Guarantees"). In short:
+  keyed:   the above;
+  refused: values on the path that cannot be named (opaque extension objects, random
+           generators, sets of tensors), and active dropout or batch norm in training mode;
+  out of contract: code reached only through objects' methods named indirectly (``getattr``
+           with a computed name), library internals edited in place (torch is named by its
+           version), and C extensions' hidden state.
+
+Used only by ``promptstore.vision`` and ``promptstore.llm``; the core never imports it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import xxhash
+
+from promptstore import digest_tensors
+from promptstore.errors import UnsupportedModelError
+
+from ._ambient import ambient_lines, autocast_active
+from ._modules import active_dropout, walk_tree
+from ._tokenizers import TOKENIZER_IGNORED
+from ._walk import Unidentifiable, Walk
+
+__all__ = ["Identity", "module_identity", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
+
+
+# module -> {(entries, skip): (class, reads, structure digest, tensors)}: the last full description
+# and the reads it rests on. Weak keys: a model that goes away takes its memo with it.
+_MEMO: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+class Identity(NamedTuple):
+    """A module tree's identity, in two parts: ``structure`` (all but the tensor bytes) and ``weights``."""
+
+    structure: str
+    weights: str
+
+    def __str__(self) -> str:
+        return f"{self.structure}:{self.weights}"
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str = "", what: str = "") -> Identity:
+    """What ``module`` (and every submodule outside ``skip``) computes with, now.
+
+    Args:
+        module: a ``torch.nn.Module``.
+        entries: the methods a cached call enters through (``forward``; ``encode_text``...).
+        skip: a submodule path left out (an image tower that never sees text).
+        what: how errors name the module.
+
+    Raises:
+        UnsupportedModelError: something on the path cannot be named exactly.
+    """
+    torch = _torch()
+    try:
+        memos = _MEMO.setdefault(module, {})
+    except TypeError:  # not weak-referenceable: described in full every call
+        memos = {}
+    memo = memos.get((entries, skip))
+    if memo is not None and memo[0] is type(module) and memo[1].same():
+        structure, tensors = memo[2], memo[3]
+    else:
+        walk = Walk(torch)
+        walk.emit(f"torch={torch.__version__.split('+')[0]}")
+        try:
+            walk_tree(walk, module, entries=entries, skip=skip)
+        except Unidentifiable as exc:
+            raise UnsupportedModelError(f"{what or type(module).__name__}: cannot identify {exc.path} ({exc.what}); "
+                                        "a cached result could differ from a recompute") from None
+        structure = xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+        tensors = walk.tensors
+        memos[(entries, skip)] = (type(module), walk.reads, structure, tensors)
+    # Tensor bytes are read on every call (digest_tensors proves file-mapped pages unchanged instead).
+    return Identity(structure, digest_tensors("live", tensors))
+
+
+def describe_lines(module: Any, entries: tuple[str, ...] = ("forward",), skip: str = "") -> list[str]:
+    """The text ``module_identity`` digests (for finding what changed between two calls)."""
+    walk = Walk(_torch())
+    walk_tree(walk, module, entries=entries, skip=skip)
+    return walk.lines
+
+
+def ambient_identity() -> str:
+    """The ambient torch state that changes numerics (autocast, matmul precision, default dtype...)."""
+    return "ambient:" + xxhash.xxh3_128_hexdigest("\n".join(ambient_lines(_torch())).encode())
+
+
+def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
+    """A tokenizer's live options and tables (see ``_tokenizers``), read on every call.
+
+    Raises:
+        UnsupportedModelError: a tokenizer holding state that cannot be named.
+    """
+    if tokenizer is None:
+        return "tokenizer:none"
+    walk = Walk(_torch())
+    walk.ignore = TOKENIZER_IGNORED
+    try:
+        walk.value(tokenizer, what)
+    except Unidentifiable as exc:
+        raise UnsupportedModelError(f"cannot identify the {what} ({exc.path}: {exc.what})") from None
+    return "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+
+
+def refuse_random(module: Any, skip: str = "", what: str = "") -> None:
+    """Refuse a module in training mode whose output is random or batch-dependent (dropout, batch norm).
+
+    Such outputs must never be frozen into a cache: a later call would get one draw forever.
+
+    Raises:
+        UnsupportedModelError: naming the first such module; call ``model.eval()``.
+    """
+    where = active_dropout(module, skip=skip)
+    if where is not None:
+        raise UnsupportedModelError(f"{what or type(module).__name__} is in training mode with {where}: its outputs "
+                                    "are random, and a cache would freeze one draw; call .eval() first")
