@@ -37,7 +37,27 @@ __all__ = ["Identity", "module_identity", "ambient_identity", "tokenizer_identit
 
 # module -> {(entries, skip): (class, reads, structure digest, tensors)}: the last full description
 # and the reads it rests on. Weak keys: a model that goes away takes its memo with it.
-_MEMO: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+class _ByObject:
+    """A memo keyed by object identity (never by ``__eq__``), dropped when the object goes away."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, obj: Any) -> Any:
+        hit = self._d.get(id(obj))
+        return hit[1] if hit is not None and hit[0]() is obj else None
+
+    def set(self, obj: Any, value: Any) -> None:
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _, k=key, d=self._d: d.pop(k, None))
+        except TypeError:
+            return  # not weak-referenceable: described in full every call
+        self._d[key] = (ref, value)
+
+
+_MEMO = _ByObject()
+_TOKENIZERS = _ByObject()
 
 
 class Identity(NamedTuple):
@@ -69,10 +89,10 @@ def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), ski
         UnsupportedModelError: something on the path cannot be named exactly.
     """
     torch = _torch()
-    try:
-        memos = _MEMO.setdefault(module, {})
-    except TypeError:  # not weak-referenceable: described in full every call
+    memos = _MEMO.get(module)
+    if memos is None:
         memos = {}
+        _MEMO.set(module, memos)
     memo = memos.get((entries, skip))
     if memo is not None and memo[0] is type(module) and memo[1].same():
         structure, tensors = memo[2], memo[3]
@@ -111,13 +131,19 @@ def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
     """
     if tokenizer is None:
         return "tokenizer:none"
+    memo = _TOKENIZERS.get(tokenizer)
+    if memo is not None and memo[0] is type(tokenizer) and memo[1].same():
+        return str(memo[2])
     walk = Walk(_torch())
     walk.ignore = TOKENIZER_IGNORED
+    walk.root = id(tokenizer)
     try:
         walk.value(tokenizer, what)
     except Unidentifiable as exc:
         raise UnsupportedModelError(f"cannot identify the {what} ({exc.path}: {exc.what})") from None
-    return "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+    out = "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+    _TOKENIZERS.set(tokenizer, (type(tokenizer), walk.reads, out))
+    return out
 
 
 def refuse_random(module: Any, skip: str = "", what: str = "") -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import xxhash
+
 from ._walk import _MISSING, CODE_MEMO, Unidentifiable, Walk
 
 __all__ = ["walk_module", "walk_tree", "active_dropout", "IGNORED_ATTRIBUTES"]
@@ -124,6 +126,20 @@ def _tree(walk: Walk, module: Any, skip: str) -> list[tuple[str, Any]]:
     return out
 
 
+def _script_module(walk: Walk, sub: Any, where: str) -> None:
+    """A TorchScript module: its compiled code and its own tensors (its state lives in C++)."""
+    walk.reads.volatile = True  # nothing Python-side to re-check: described again every call
+    code = getattr(sub, "code", "")
+    walk.emit(f"script:{where}:{sub.original_name}:training={sub.training}:"
+              f"{xxhash.xxh3_128_hexdigest(code.encode()) if isinstance(code, str) else '?'}")
+    for pname, p in sub.named_parameters(recurse=False):
+        walk.emit(f"param:{pname}")
+        walk.tensor(f"{where}.{pname}", p)
+    for bname, b in sub.named_buffers(recurse=False):
+        walk.emit(f"buffer:{bname}")
+        walk.tensor(f"{where}.{bname}", b)
+
+
 def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
                 entries: tuple[str, ...] = ("forward",), skip: str = "") -> None:
     """Describe ``module`` and every submodule (outside ``skip``) into ``walk``."""
@@ -139,6 +155,9 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
         if name:  # the root's class is checked by the caller (a read here would keep the root alive)
             reads.attr(sub, "__class__", cls)
         classes.setdefault(cls)
+        if isinstance(sub, torch.jit.ScriptModule):
+            _script_module(walk, sub, where)
+            continue
         fields = dict(reads.mapping(sub.__dict__))
         walk.emit(f"module:{where}:{cls.__module__}.{cls.__qualname__}:training={fields.get('training')}")
         for pname, p in reads.mapping(fields["_parameters"]):

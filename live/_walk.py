@@ -156,7 +156,10 @@ class Reads:
                 return False
         for fn, was in self.calls:
             now = fn()
-            if isinstance(was, tuple):
+            if isinstance(was, tuple) and was and isinstance(was[0], str):
+                if now != was:
+                    return False
+            elif isinstance(was, tuple):
                 if len(now) != len(was) or any(a[0] != b[0] or a[1] is not b[1] for a, b in zip(now, was, strict=True)):
                     return False
             elif now is not was:
@@ -246,6 +249,7 @@ class Walk:
         self._hold: list[Any] = []  # keeps described objects alive so no id is reused during the walk
         self.modules: dict[int, str] = {}  # id(module) -> its path in the tree being walked
         self.ignore: frozenset[str] = frozenset()  # object fields that record history, not state
+        self.root = 0  # id of the object the walk describes
         # Every read the description rests on, to re-check cheaply on the next call (Reads).
         self.reads = Reads()
 
@@ -343,8 +347,11 @@ class Walk:
         elif type(v).__module__ == "tokenizers" or type(v).__module__.startswith("tokenizers."):
             from ._tokenizers import describe_backend
 
-            self.reads.volatile = True  # Rust state: read again every call
+            # Rust state, invisible to the reads: described again on every check, compared as text.
+            start = len(self.lines)
             describe_backend(self, v, path)
+            text = tuple(self.lines[start:])
+            self.reads.calls.append((lambda b=v, p=path: _backend_text(b, p), text))
         elif isinstance(v, (torch.Generator,)):
             raise Unidentifiable(path, "a random generator (its output is random)")
         else:
@@ -395,7 +402,8 @@ class Walk:
             return
         cls = type(v)
         fields: dict[str, Any] = {}
-        self.reads.attr(v, "__class__", cls)
+        if id(v) != self.root:  # the root's class is checked by the caller (a read would keep it alive)
+            self.reads.attr(v, "__class__", cls)
         d = getattr(v, "__dict__", None)
         if isinstance(d, dict):
             fields.update(self.reads.mapping(d))
@@ -524,6 +532,14 @@ class Walk:
             self._mapping(v, path, depth, state=False)
         else:
             self.emit(f"object:{type(v).__module__}.{type(v).__qualname__}")
+
+
+def _backend_text(backend: Any, path: str) -> tuple[str, ...]:
+    from ._tokenizers import describe_backend
+
+    walk = Walk(None)
+    describe_backend(walk, backend, path)
+    return tuple(walk.lines)
 
 
 def _plain_class(cls: type) -> bool:

@@ -25,6 +25,8 @@ from promptstore.errors import InvalidInputError
 from promptstore.vision import owl_detect
 from promptstore.vision._classes import TEXT_KIND
 
+from counting import Counting
+
 QUERIES = ["a forklift", "a pallet", "a person in a hard hat", "a cardboard box"]
 SMALL = dict(text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                               max_position_embeddings=16, vocab_size=49408),
@@ -63,6 +65,7 @@ def build(kind, tokenizer, seed=0):
     model, processor_cls = detector(kind, seed)
     image_cls = Owlv2ImageProcessor if kind == "owlv2" else OwlViTImageProcessor
     image_processor = image_cls(size={"height": 128, "width": 128}, crop_size={"height": 128, "width": 128})
+    TextRuns(model)  # counted from the start (tests/counting.py)
     return model, processor_cls(image_processor=image_processor, tokenizer=tokenizer)
 
 
@@ -71,22 +74,11 @@ def images(n=2, seed=0):
     return [rng.integers(0, 255, (96 + 16 * i, 120, 3), dtype=np.uint8) for i in range(n)]
 
 
-class TextRuns:
-    """Counts text-tower forwards (a hook on its embeddings)."""
+class TextRuns(Counting):
+    """Counts text-tower rows (a hook on its embeddings; see tests/counting.py)."""
 
     def __init__(self, model) -> None:
-        base = model.owlv2 if hasattr(model, "owlv2") else model.owlvit
-        self.rows = 0
-        self.handle = base.text_model.embeddings.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output) -> None:
-        self.rows += output.shape[0]
-
-    def __enter__(self) -> TextRuns:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
+        super().__init__((model.owlv2 if hasattr(model, "owlv2") else model.owlvit).text_model.embeddings)
 
 
 def plain(model, processor, queries, imgs):

@@ -49,12 +49,41 @@ def _check_texts(texts: Sequence[str]) -> list[str]:
 
 
 class _BatchedEncoder:
-    """Encodes only what it is given, sorted by token length, in batches, with a progress bar."""
+    """Encodes only what it is given, sorted by token length, in batches, with a progress bar.
+
+    The fingerprint is known before the weights load (a full hit never builds the tower). Once
+    built, the tower is a live module anyone can reach: while its live identity (weights,
+    settings, hooks, code; :mod:`promptstore._live`) is what it was when built, the fingerprint
+    stays the file's; after any change it names the live identity too. Autocast and other
+    ambient torch state are always part of it.
+    """
 
     batch: int
     trim: bool
     _dim: int
     _model: Any
+    _built: Any = None  # the tower's live identity right after it was built
+
+    @property
+    def fingerprint(self) -> str:
+        from promptstore._live import ambient_identity
+
+        fp = f"{self._source_fingerprint()}:{ambient_identity()}"
+        if self._model is None:
+            return fp
+        live = self._live_identity()
+        return fp if live == self._built else f"{fp}:live:{live}"
+
+    def _source_fingerprint(self) -> str: ...
+
+    def _live_identity(self) -> Any:
+        from promptstore._live import module_identity, refuse_random
+
+        refuse_random(self._model, what="the text tower")
+        return module_identity(self._model, entries=("encode_text", "forward"), what="the text tower")
+
+    def _record_built(self) -> None:
+        self._built = self._live_identity()
 
     @property
     def dim(self) -> int:
@@ -185,8 +214,7 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
         # The context actually run changes the features of some towers: it is part of the name.
         self._fp = f"open_clip:{model_name}:{source}:context={'trimmed' if self.trim else 'full'}"
 
-    @property
-    def fingerprint(self) -> str:
+    def _source_fingerprint(self) -> str:
         return self._fp
 
     @property
@@ -212,6 +240,7 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
             self._model = model.eval()
             self._tokenizer = open_clip.get_tokenizer(self.model_name)
             self.eot_id = getattr(self._tokenizer, "eot_token_id", None)
+            self._record_built()
         return self._model
 
     def _tokenize(self, texts: list[str]) -> Any:
@@ -293,8 +322,7 @@ class UltralyticsTextEncoder(_BatchedEncoder):
             pass
         return next((c for c in candidates if c.is_file()), None)
 
-    @property
-    def fingerprint(self) -> str:
+    def _source_fingerprint(self) -> str:
         if self.weights is not None and self.weights.is_file():
             return f"ultralytics:{self.variant}:file:{file_digest(self.weights)}"
         return f"ultralytics:{self.variant}:published:{self.file_name}"
@@ -312,6 +340,7 @@ class UltralyticsTextEncoder(_BatchedEncoder):
             with warnings.catch_warnings():  # torch 2.14 marks jit.load deprecated; ultralytics still ships .ts
                 warnings.simplefilter("ignore", FutureWarning)
                 self._model = torch.jit.load(str(self.weights), map_location=self.device).eval()
+            self._record_built()
         return self._model
 
     def _tokenize(self, texts: list[str]) -> Any:

@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from promptstore import PromptStore, digest_tensors
+from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes, check_names
-from ._zeroshot import _tokenizer_fingerprint, module_settings
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
 
@@ -35,28 +34,29 @@ def _base(model: Any) -> tuple[Any, str]:
 
 
 def owl_query_fingerprint(model: Any, processor: Any) -> str:
-    """Names what turns a text query into this detector's query embedding.
+    """Names what turns a text query into this detector's query embedding, as it runs now.
 
-    Covers the text tower and projection (every weight and buffer, hashed on every call), the
-    model class and transformers version, the device type, and the tokenizer with the padding
-    the processor applies.
+    The live identity (:mod:`promptstore._live`) of the text tower and the projection (every
+    tensor, setting, hook and the code their forward reaches), the processor with its
+    tokenizer (options, special and added tokens, vocabulary; read on every call), the
+    ambient torch state (autocast), and the model class and device type.
+
+    Raises:
+        InvalidInputError: not an OWL detector and its processor.
+        UnsupportedModelError: dropout active in training mode, or state that cannot be named.
     """
-    import transformers
+    from promptstore._live import ambient_identity, module_identity, refuse_random, tokenizer_identity
 
     base, family = _base(model)
-    tok = getattr(processor, "tokenizer", None)
-    if tok is None:
+    if getattr(processor, "tokenizer", None) is None:
         raise InvalidInputError("processor must be the detector's processor (Owlv2Processor / OwlViTProcessor)")
-    named = [(f"text_model.{n}", t) for n, t in list(base.text_model.named_parameters(remove_duplicate=False))
-             + list(base.text_model.named_buffers(remove_duplicate=False))]
-    named += [(f"text_projection.{n}", t) for n, t in base.text_projection.named_parameters(remove_duplicate=False)]
-    device = named[0][1].device.type if named else "cpu"
-    label = (f"{family}-text:{type(model).__qualname__}:transformers={transformers.__version__}:device={device}:"
-             f"{module_settings(base.text_model)}:{module_settings(base.text_projection)}:"
-             f"{base.config.text_config.to_json_string(use_diff=False)}:"
-             f"{type(processor).__qualname__}:max_length={getattr(tok, 'model_max_length', None)}:"
-             f"pad={getattr(tok, 'pad_token_id', None)}:side={getattr(tok, 'padding_side', None)}")
-    return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}:{_tokenizer_fingerprint(tok)}"
+    for part in (base.text_model, base.text_projection):
+        refuse_random(part, what=f"{family}'s text tower")
+    device = next(model.parameters()).device.type
+    text = module_identity(base.text_model, what=f"{family}'s text tower")
+    projection = module_identity(base.text_projection, what=f"{family}'s text projection")
+    return (f"{family}-text:{type(model).__qualname__}:device={device}:{text}:{projection}:"
+            f"{tokenizer_identity(processor, 'processor')}:{ambient_identity()}")
 
 
 def _query_embeddings(model: Any, processor: Any, queries: list[str], store: PromptStore) -> tuple[Any, int]:
