@@ -37,7 +37,10 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._prefix import CAPACITY_STEP, RESERVE_TOKENS, PrefixCache, _check_lengths, _copy_block, _Counts, _host_view, _layers
+from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, copy_block, host_view, kv_layers, make_cache
+from ._counts import Counts
+from ._inputs import check_lengths
+from ._prefix import PrefixCache
 
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
 
@@ -54,7 +57,7 @@ class _Stop(Exception):
     """Raised by the recording cache layer once it has what it needs: the rest of the forward is skipped."""
 
 
-class _Stats(_Counts):
+class _Stats(Counts):
     FIELDS = ("queried", "served", "recomputed", "computed", "requests")
 
 
@@ -146,7 +149,7 @@ class ChunkCache:
         source[:n_exact] = SERVED
         if n_exact < n_anchor:
             # The anchor itself is exact: computed in place and stored as PrefixCache blocks.
-            cache = pc._make_cache(pc._finish(buffers, n_exact))
+            cache = make_cache(buffers, n_exact, self.model.config)
             cache, _, seconds = pc._forward(ids, n_exact, n_anchor, cache)
             pc._store_blocks(ids, cache, n_anchor, n_exact // pc.block_tokens, seconds / (n_anchor - n_exact))
         start = max(n_exact, n_anchor)
@@ -168,7 +171,7 @@ class ChunkCache:
         logits = None
         if run.size and run[0] + run.size == stop:
             # Only the end of the prompt (nothing chosen before it): a plain forward, as PrefixCache runs it.
-            cache = pc._make_cache(pc._finish(buffers, int(run[0])))
+            cache = make_cache(buffers, int(run[0]), self.model.config)
             _, out, _ = pc._forward(ids, int(run[0]), stop, cache)
             logits = out[0, -1]
         elif run.size:
@@ -179,7 +182,7 @@ class ChunkCache:
         last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
         last.served = int(np.count_nonzero(source != COMPUTED)) - last.recomputed
         last.computed = len(ids) - last.served - last.recomputed
-        cache = pc._make_cache(pc._finish(buffers, stop))
+        cache = make_cache(buffers, stop, self.model.config)
         return cache, logits
 
     def _place(self, anchor: np.ndarray, passage: np.ndarray, buffers: tuple[Any, Any], lo: int) -> bool:
@@ -194,12 +197,12 @@ class ChunkCache:
         want = (layers, heads, n, head_dim)
         entry = None
         if host:
-            into = {side: _host_view(full)[:, 0, :, lo : lo + n, :] for side, full in zip(("k", "v"), buffers, strict=True)}
+            into = {side: host_view(full)[:, 0, :, lo : lo + n, :] for side, full in zip(("k", "v"), buffers, strict=True)}
             entry = self.store.get(key, kind=CHUNK_KIND, into=into)
             if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
                 for side, dst in into.items():
                     if entry.tensors[side] is not dst:  # stored in another dtype
-                        _copy_block(dst, entry.tensors[side], entry.dtypes[side], k_buf.dtype)
+                        copy_block(dst, entry.tensors[side], entry.dtypes[side], k_buf.dtype)
             else:
                 entry = None
         else:
@@ -207,7 +210,7 @@ class ChunkCache:
             if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
                 for side, full in zip(("k", "v"), buffers, strict=True):
                     stage = torch.empty(want, dtype=full.dtype)
-                    _copy_block(_host_view(stage), entry.tensors[side], entry.dtypes[side], full.dtype)
+                    copy_block(host_view(stage), entry.tensors[side], entry.dtypes[side], full.dtype)
                     full[:, 0, :, lo : lo + n, :].copy_(stage.to(full.device))
             else:
                 entry = None
@@ -236,7 +239,7 @@ class ChunkCache:
             out = self.model(torch.as_tensor(passage, device=self.model.device)[None], use_cache=True,
                              **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
             seconds = time.perf_counter() - t0
-            kv = _layers(self.prefix._output_cache(out))
+            kv = kv_layers(self.prefix._output_cache(out))
             k = torch.stack([layer_k[0, :, at:, :] for layer_k, _ in kv])
             v = torch.stack([layer_v[0, :, at:, :] for _, layer_v in kv])
         return k, v, seconds
@@ -342,7 +345,7 @@ class ChunkCache:
         if generate_kwargs.pop("attention_mask", None) is not None:
             raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
         ids = np.concatenate(segs)
-        _check_lengths(generate_kwargs, len(ids))
+        check_lengths(generate_kwargs, len(ids))
         # Everything but the last token: generate runs that one and goes on.
         cache, _ = self._build(segs, len(ids) - 1)
         full = torch.as_tensor(ids, device=self.model.device)[None]
@@ -423,7 +426,7 @@ def _check_moves(model: Any, inv_freq: Any, pc: PrefixCache) -> None:
     with torch.no_grad():
         for start in (0, _SHIFT):
             out = model(probe, position_ids=torch.arange(start, start + 8, device=model.device)[None], use_cache=True)
-            runs.append(_layers(pc._output_cache(out)))
+            runs.append(kv_layers(pc._output_cache(out)))
     worst = 0.0
     exact = next(model.parameters()).dtype == torch.float32
     for (k0, v0), (k1, v1) in zip(*runs, strict=True):

@@ -16,13 +16,9 @@ question.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import inspect
-import mmap
 import os
 import queue
-import sys
 import threading
 import time
 import warnings
@@ -33,17 +29,18 @@ from typing import Any
 import numpy as np
 
 from promptstore import Entry, PromptStore, chain_keys
-from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
+from promptstore.errors import InvalidInputError, PromptStoreWarning
 
-from ._fingerprint import architecture, model_fingerprint, tokenizer_fingerprint
+from ._admission import checked_layout, vocab_size
+from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, host_view, kv_layers, make_cache
+from ._counts import Counts
+from ._fingerprint import model_fingerprint, tokenizer_fingerprint
+from ._inputs import check_lengths, refuse_padding
 
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
-CHECK_KIND = "llm.check"  # a model architecture's verdict of _probe_model, so a fresh process skips its forwards
-RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
-CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -56,36 +53,12 @@ def _dtype_name(dtype: Any) -> str | None:
     return name
 
 
-def _layers(cache: Any) -> list[tuple[Any, Any]]:
-    """(keys, values) per layer, across transformers' cache layouts."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
-
-
-class _Counts:
-    """Token counters of a request, or of all requests (``add``)."""
-
-    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests")
-
-    def __init__(self) -> None:
-        for name in self.FIELDS:
-            setattr(self, name, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {n: getattr(self, n) for n in self.FIELDS}
-
-    def add(self, other: _Counts) -> None:
-        for name in self.FIELDS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
 class PrefixCache:
     """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
 
     Serves transformers causal LMs whose layers keep full-length KV of one shape (Llama,
     Qwen, Phi, GPT-2, Gemma, SmolLM...) and refuses the others before anything is stored
-    (see ``_check_structure`` and ``_probe_model``). Keys cover the model's
+    (see ``check_structure`` and ``probe_model`` in _admission.py). Keys cover the model's
     fingerprint (config, every weight, attention implementation), the tokenizer, the KV
     dtype and the block size, so a cached block is only ever used by the computation that
     produced it.
@@ -120,10 +93,9 @@ class PrefixCache:
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._layout: tuple[Any, tuple[int, int, int, Any]] | None = None
         self._tokenizer_fp: str | None = None
-        self._staging: list[tuple[Any, Any]] | None = None  # pinned host slots for copies to a GPU
-        self._pool: list[tuple[np.ndarray, np.ndarray]] = []  # host KV buffers, reused once no tensor holds them
-        self._total = _Counts()
-        self._last = _Counts()
+        self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
+        self._total = Counts()
+        self._last = Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
         self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
@@ -160,7 +132,7 @@ class PrefixCache:
         """
         signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device))
         if self._layout is None or self._layout[0] != signature:
-            self._layout = (signature, self._checked_layout(signature))
+            self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))
 
     def _new_request(self) -> None:
         """What a request starts from: the weights as they are now (root key) and the current layout."""
@@ -172,32 +144,6 @@ class PrefixCache:
             self._root = self._root_key()
         return self._root
 
-    def _checked_layout(self, signature: Any) -> tuple[int, int, int, Any]:
-        """_probe_model's verdict, from the store when this architecture passed it before.
-
-        The verdict depends on the model's code (class, config, attention implementation,
-        library versions), its dtype and device, never on the weights; the forward-free
-        checks still run every time. Its four forwards cost ~0.6 s on SmolLM2, which would
-        otherwise land on the first request of every fresh process.
-        """
-        import torch
-        import transformers
-
-        _check_structure(self.model)  # the checks without a forward run every time
-        key = self.store.key(CHECK_KIND, fingerprints=[architecture(self.model), repr(signature),
-                                                       f"transformers={transformers.__version__}",
-                                                       f"torch={torch.__version__}"])
-        entry = self.store.get(key, kind=CHECK_KIND)
-        dtype = getattr(torch, entry.meta.get("dtype", ""), None) if entry is not None else None
-        if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (3,):
-            layers, heads, head_dim = (int(x) for x in entry.tensors["layout"])
-            return layers, heads, head_dim, dtype
-        t0 = time.perf_counter()
-        layers, heads, head_dim, dtype = _probe_model(self.model, self._output_cache)
-        self.store.put(key, {"layout": np.array([layers, heads, head_dim], np.int64)}, kind=CHECK_KIND,
-                       cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
-        return layers, heads, head_dim, dtype
-
     def _output_cache(self, out: Any) -> Any:
         cache = getattr(out, "cache", None)
         return cache if cache is not None else getattr(out, "past_key_values", None)
@@ -207,7 +153,7 @@ class PrefixCache:
         ids = input_ids
         if isinstance(ids, Mapping) and "input_ids" in ids:
             # What tokenizers and apply_chat_template(..., return_tensors="pt") return (a BatchEncoding).
-            _refuse_padding(ids.get("attention_mask"))
+            refuse_padding(ids.get("attention_mask"))
             ids = ids["input_ids"]
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu().numpy()
@@ -223,7 +169,7 @@ class PrefixCache:
             raise InvalidInputError("input_ids must be a non-empty 1-D sequence of token ids (or a batch of one)")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidInputError(f"token ids must be integers, got {ids.dtype}")
-        vocab = _vocab_size(self.model)
+        vocab = vocab_size(self.model)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidInputError(f"token ids must lie in [0, {vocab}) for this model, got {int(ids.min())}..{int(ids.max())}")
         return ids.astype(np.int64)
@@ -277,15 +223,15 @@ class PrefixCache:
         if n_blocks == 0:
             return None, 0
         # Room for the rest of the prompt and some generated tokens: they are written in place
-        # instead of concatenated (see _ReservedLayer). Allocated before the keys, whose root
-        # fingerprints the model, so that new pages fault in meanwhile.
+        # instead of concatenated (see _ReservedLayer in _buffers.py). Allocated before the keys,
+        # whose root fingerprints the model, so that new pages fault in meanwhile.
         # Rounded up, so that the next request of about this length can reuse them.
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_cached = self._lookup_into(ids, buffers)
         if n_cached == 0:
             return None, 0
-        return self._make_cache(self._finish(buffers, n_cached)), n_cached
+        return make_cache(buffers, n_cached, self.model.config), n_cached
 
     def _lookup_into(self, ids: np.ndarray, buffers: tuple[Any, Any]) -> int:
         """Read the longest stored prefix of ``ids`` (leaving the last token) into ``buffers``; its length."""
@@ -341,10 +287,10 @@ class PrefixCache:
             src = tail.tensors[side][:, :, :n, :]
             if full.device.type == "cuda":
                 host = torch.empty((full.shape[0], full.shape[2], n, full.shape[4]), dtype=full.dtype)
-                _copy_block(_host_view(host), src, tail.dtypes[side], full.dtype)
+                copy_block(host_view(host), src, tail.dtypes[side], full.dtype)
                 full[:, 0, :, lo : lo + n, :].copy_(host.to(full.device))
             else:
-                _copy_block(_host_view(full)[:, 0, :, lo : lo + n, :], src, tail.dtypes[side], full.dtype)
+                copy_block(host_view(full)[:, 0, :, lo : lo + n, :], src, tail.dtypes[side], full.dtype)
 
     def _read_blocks(self, keys: list[bytes], buffers: tuple[Any, Any], usable: int, first: int = 0) -> int:
         """Read the stored blocks of ``keys`` into their places in ``buffers``, up to the first miss.
@@ -363,7 +309,7 @@ class PrefixCache:
         free: queue.SimpleQueue[Any] = queue.SimpleQueue()
         copies: list[Any] = []
         if not host:
-            for slot in self._staging_slots(2 * workers):
+            for slot in self._buffers.staging_slots(self._get_layout(), self.block_tokens, 2 * workers):
                 free.put((slot, None))
         local = threading.local()
 
@@ -372,21 +318,21 @@ class PrefixCache:
             lo, hi = b * bt, min((b + 1) * bt, usable)
             slot = event = None
             if host:
-                into = {side: _host_view(full)[:, 0, :, lo : lo + bt, :]
+                into = {side: host_view(full)[:, 0, :, lo : lo + bt, :]
                         for side, full in zip(("k", "v"), buffers, strict=True)}
             else:
                 slot, event = free.get()
                 if event is not None:
                     event.synchronize()  # the copy that read this slot has finished
                 event = None
-                into = {"k": _host_view(slot[0]), "v": _host_view(slot[1])}
+                into = {"k": host_view(slot[0]), "v": host_view(slot[1])}
             try:
                 entry = self.store.get(keys[i], kind=KIND, into=into)
                 if entry is None or not self._fits(entry):
                     return False  # a block that does not fit this model is a miss, never a crash
                 for side, dst in into.items():
                     if entry.tensors[side] is not dst:  # stored in another dtype: converted on the way
-                        _copy_block(dst, entry.tensors[side], entry.dtypes[side], buffers[0].dtype)
+                        copy_block(dst, entry.tensors[side], entry.dtypes[side], buffers[0].dtype)
                 if not host:
                     stream = getattr(local, "stream", None)
                     if stream is None:
@@ -419,68 +365,8 @@ class PrefixCache:
                 current.wait_event(event)  # the forward runs after every block has landed
         return found
 
-    def _staging_slots(self, n: int) -> list[tuple[Any, Any]]:
-        """Pinned host blocks that GPU loads are read into (allocated once: pinning is slow)."""
-        import torch
-
-        layers, heads, head_dim, dtype = self._get_layout()
-        shape = (layers, heads, self.block_tokens, head_dim)
-        if self._staging is None or len(self._staging) < n or self._staging[0][0].shape != shape \
-                or self._staging[0][0].dtype != dtype:
-            self._staging = [(torch.empty(shape, dtype=dtype, pin_memory=True),
-                              torch.empty(shape, dtype=dtype, pin_memory=True)) for _ in range(n)]
-        return self._staging[:n]
-
     def _allocate(self, capacity: int) -> tuple[Any, Any]:
-        import torch
-
-        layers, heads, head_dim, dtype = self._get_layout()
-        shape = (layers, 1, heads, capacity, head_dim)
-        # One buffer per side for all layers; each block is copied once, straight into the
-        # final per-layer tensors (views of these).
-        if self.model.device.type == "cuda":
-            return (torch.empty(shape, dtype=dtype, device=self.model.device),
-                    torch.empty(shape, dtype=dtype, device=self.model.device))
-        # A pair whose every tensor is gone (the caller dropped that request's cache) is reused:
-        # its pages are already faulted in, so a load costs the copy and little else.
-        np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-        pair = None
-        for i in range(len(self._pool)):
-            held = self._pool[i][0]
-            fits = held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity and held.shape[4] == head_dim
-            del held
-            # Refcount 2 (the pool's tuple and the call's argument): no tensor of an earlier cache holds it.
-            if fits and sys.getrefcount(self._pool[i][0]) == 2 and sys.getrefcount(self._pool[i][1]) == 2:
-                pair = self._pool.pop(i)
-                break
-        if pair is None:
-            pair = (_fresh_buffer(shape, np_dtype), _fresh_buffer(shape, np_dtype))
-        self._pool = [pair, *self._pool][:2]  # the last two requests' buffers: one may still be held
-        out = tuple(torch.from_numpy(a) for a in pair)
-        if dtype == torch.bfloat16:
-            out = tuple(t.view(torch.bfloat16) for t in out)
-        return out[0], out[1]
-
-    def _finish(self, buffers: tuple[Any, Any], n: int) -> list[tuple[Any, Any, int]]:
-        full_k, full_v = buffers
-        return [(full_k[i], full_v[i], n) for i in range(full_k.shape[0])]
-
-    def _make_cache(self, kv: list[tuple[Any, Any, int]]) -> Any:
-        """A DynamicCache over per-layer buffers (k, v, tokens filled), without copying them."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        layers = getattr(cache, "layers", None)
-        reserved = _reserved_layer_class()
-        if (reserved is not None and layers is not None and len(layers) == len(kv)
-                and all(type(layer).__name__ == "DynamicLayer" for layer in layers)):
-            cache.layers = [reserved(k, v, n) for k, v, n in kv]
-            return cache
-        # Another cache layout (older transformers): hand over exactly the filled part.
-        cache = DynamicCache()
-        for i, (k, v, n) in enumerate(kv):
-            cache.update(k[:, :, :n], v[:, :, :n], i)
-        return cache
+        return self._buffers.allocate(self._get_layout(), self.model.device, capacity)
 
     # -- storing --------------------------------------------------------------------------
     def _store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
@@ -500,7 +386,7 @@ class PrefixCache:
                           f"{n_in_cache} tokens; nothing stored from it", PromptStoreWarning, stacklevel=3)
             return 0
         keys = self._block_keys(ids, last_block)
-        kv = _layers(cache)
+        kv = kv_layers(cache)
         stored = 0
         for b in range(first_block, last_block):
             if keys[b] in self.store:
@@ -570,7 +456,7 @@ class PrefixCache:
 
     def _begin(self, n_queried: int) -> None:
         self._new_request()
-        self._last = _Counts()
+        self._last = Counts()
         self._last.queried = n_queried
         self._last.requests = 1
 
@@ -612,10 +498,10 @@ class PrefixCache:
         import torch
 
         ids = self._prompt_ids(prompt)
-        _refuse_padding(generate_kwargs.pop("attention_mask", None))
+        refuse_padding(generate_kwargs.pop("attention_mask", None))
         if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
             raise InvalidInputError("PrefixCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
-        _check_lengths(generate_kwargs, len(ids))  # before any lookup or forward
+        check_lengths(generate_kwargs, len(ids))  # before any lookup or forward
         self._begin(len(ids))
         cache, n_cached = self._lookup(ids)
         stop = len(ids) - 1
@@ -645,300 +531,3 @@ class PrefixCache:
     def stats(self) -> dict[str, dict[str, int]]:
         """Tokens queried, served from cache, computed (and generated), for the last request and in total."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
-
-
-def _check_lengths(kwargs: Mapping[str, Any], n_prompt: int) -> None:
-    """generate's length arguments, checked before any work (transformers checks them after the prefill).
-
-    Raises:
-        InvalidInputError: a length that is not a positive int, or that leaves nothing to generate.
-    """
-    def whole(name: str) -> int | None:
-        value = kwargs.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
-        return int(value)
-
-    new, least, total = whole("max_new_tokens"), whole("min_new_tokens"), whole("max_length")
-    if new == 0:
-        raise InvalidInputError("max_new_tokens must be at least 1")
-    if new is not None and least is not None and least > new:
-        raise InvalidInputError(f"min_new_tokens ({least}) is more than max_new_tokens ({new})")
-    if new is None and total is not None and total <= n_prompt:
-        raise InvalidInputError(f"max_length ({total}) leaves nothing to generate after a {n_prompt}-token prompt")
-
-
-def _rope_types(model: Any) -> set[str]:
-    """Every RoPE type the model's rotary modules and config name (a per-layer-type dict counts each)."""
-    found: set[str] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, str):
-            found.add(value)
-        elif isinstance(value, Mapping):
-            for key in ("rope_type", "type"):
-                if isinstance(value.get(key), str):
-                    found.add(value[key])
-            for v in value.values():
-                if isinstance(v, Mapping):
-                    add(v)
-
-    for module in model.modules():
-        add(getattr(module, "rope_type", None))
-    config = model.config
-    for cfg in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
-        for attr in ("rope_parameters", "rope_scaling"):
-            add(getattr(cfg, attr, None))
-    return found
-
-
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    try:
-        return get(decoder=True) if get is not None else config
-    except TypeError:
-        return get()
-
-
-def _vocab_size(model: Any) -> int:
-    emb = model.get_input_embeddings()
-    n = getattr(emb, "num_embeddings", None)
-    return int(n if n is not None else _text_config(model.config).vocab_size)
-
-
-def _check_cache(name: str, text: Any, cache: Any) -> None:
-    """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    if cache is None:
-        raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
-    if type(cache) is not DynamicCache:
-        raise UnsupportedModelError(f"{name} keeps its state in a {type(cache).__name__}, not a plain DynamicCache "
-                                    "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if kinds:
-        why = []
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-            why.append("sliding-window layers drop old tokens")
-        if any("Linear" in k or "Mamba" in k for k in kinds):
-            why.append("linear-attention/SSM layers keep a running state, not per-token KV")
-        if any("Indexed" in k for k in kinds):
-            why.append("indexed (sparse) attention keeps indexer state beside the KV")
-        if any("Dummy" in k for k in kinds):
-            why.append("some layers keep no KV of their own")
-        raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
-                                    f"{'; '.join(why) or 'not plain per-token KV'}")
-    n_layers = getattr(text, "num_hidden_layers", None)
-    if isinstance(n_layers, int) and n_layers != len(cache.layers):
-        raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
-                                    "(shared or skipped KV): not supported")
-    layers = _layers(cache)
-    if any(k is None or v is None for k, v in layers):
-        raise UnsupportedModelError(f"{name} leaves some cache layers empty: not supported")
-    shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in layers}
-    if len(shapes) != 1:
-        raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
-    (kshape, vshape, _), = shapes
-    if len(kshape) == 4 and len(vshape) == 4 and kshape[:3] == vshape[:3] and kshape[3] != vshape[3]:
-        raise UnsupportedModelError(f"{name} keeps keys and values of different widths ({kshape[3]} and {vshape[3]}, "
-                                    "e.g. multi-head latent attention): not supported yet")
-    if len(kshape) != 4 or kshape != vshape or kshape[0] != 1:
-        raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
-
-
-def _check_structure(model: Any) -> None:
-    """The checks that need no forward pass (run on every PrefixCache, even when the verdict is stored).
-
-    Raises:
-        UnsupportedModelError: an encoder-decoder model, length-dependent RoPE, KV sharing.
-    """
-    name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name} is an encoder-decoder model: its decoder KV depends on the encoder input")
-    moving = sorted(t for t in _rope_types(model) if "dynamic" in t or t == "longrope")
-    if moving:
-        raise UnsupportedModelError(
-            f"{name} uses RoPE whose frequencies depend on the sequence length ({', '.join(moving)}): KV computed "
-            "at one length differs from a recompute at another")
-    if getattr(_text_config(model.config), "num_kv_shared_layers", 0):
-        raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
-
-
-def _refuse_padding(mask: Any) -> None:
-    """A prompt's attention mask must be all ones: one unpadded sequence."""
-    if mask is not None and not bool(np.all(np.asarray(mask.detach().cpu() if hasattr(mask, "detach") else mask))):
-        raise InvalidInputError("padded prompts are not supported: pass one unpadded sequence")
-
-
-def _probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
-    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly (after _check_structure).
-
-    Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
-    ``DynamicLayer`` of one shape (every token's keys and values, kept whole), with RoPE (if
-    any) whose frequencies do not depend on the sequence length. Everything else is refused
-    before anything is looked up or stored: a block stored now would be served wrong later.
-
-    Raises:
-        UnsupportedModelError: with the reason.
-    """
-    import torch
-
-    name = type(model).__name__
-    text = _text_config(model.config)
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    vocab = _vocab_size(model)
-    pad = getattr(text, "pad_token_id", None)
-    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 2 % vocab
-    probe = torch.tensor([[1 % vocab, pad, 3 % vocab, 4 % vocab, pad, 6 % vocab, 7 % vocab]], device=model.device)
-    try:
-        with torch.no_grad():
-            out = model(probe, use_cache=True)
-            full_logits = out.logits[0].float()
-            cache = output_cache(out)
-            _check_cache(name, text, cache)
-            # The same tokens in pieces, as a cached prefix and then a request's own tokens run
-            # them. Some models are not exact here: positions counted from pad tokens in the
-            # prompt (RoBERTa family), ALiBi variants (MPT) - found by tests/llm_zoo.py.
-            steps, past = [], None
-            for lo, hi in ((0, 3), (3, 4), (4, 7)):
-                kwargs = {cache_arg: past} if past is not None else {}
-                piece = model(probe[:, lo:hi], use_cache=True, **kwargs)
-                past = output_cache(piece)
-                steps.append(piece.logits[0].float())
-    except UnsupportedModelError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure here means "not a plain causal LM call"
-        raise UnsupportedModelError(f"{name} does not run as a plain causal LM with a KV cache: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-    drift = float((torch.cat(steps) - full_logits).abs().max())
-    # Relative: special tokens drive real models to huge activations, where float32 rounding
-    # alone reaches 4e-4 of the largest score (SmolLM2). Systematic drift is of its order.
-    if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
-        raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
-                                    f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
-    (kshape, _, dtype), = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in _layers(cache)}
-    return len(cache.layers), kshape[1], kshape[3], dtype
-
-
-_RESERVED: Any = False
-
-
-def _reserved_layer_class() -> Any:
-    """A DynamicLayer that writes new tokens into spare capacity instead of concatenating.
-
-    transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),
-    the prompt's tail and then each generated token: O(prefix) per step. Loaded caches already
-    live in buffers we allocated, so they are allocated with room to grow and written in place;
-    when the room runs out the buffer doubles. Anything that replaces ``keys`` behind our back
-    (beam reordering) sends the layer back to plain concatenation. None if DynamicLayer is absent.
-    """
-    global _RESERVED
-    if _RESERVED is not False:
-        return _RESERVED
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:
-        _RESERVED = None
-        return None
-
-    import torch
-
-    class _ReservedLayer(DynamicLayer):
-        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
-            super().__init__()
-            self.lazy_initialization(kbuf, vbuf)
-            self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
-            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
-
-        def _in_place(self) -> bool:
-            k = self.keys
-            if k is not None and k.ndim == 4 and k.shape[-2] == 0 and k.shape[:-2] == self._kbuf.shape[:-2]:
-                self._n = 0  # empty: its data_ptr is 0, not the buffer's
-                return True
-            if k is None or k.data_ptr() != self._kbuf.data_ptr() or k.stride() != self._kbuf.stride():
-                return False
-            self._n = k.shape[-2]  # e.g. after crop(): still a prefix of our buffer
-            return True
-
-        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if not self.is_initialized or not self._in_place():
-                return super().update(key_states, value_states, *args, **kwargs)
-            n, m = self._n, key_states.shape[-2]
-            if n + m > self._kbuf.shape[-2]:
-                cap = max(n + m, 2 * self._kbuf.shape[-2])
-                for name in ("_kbuf", "_vbuf"):
-                    old = getattr(self, name)
-                    new = torch.empty((*old.shape[:-2], cap, old.shape[-1]), dtype=old.dtype, device=old.device)
-                    new[:, :, :n] = old[:, :, :n]
-                    setattr(self, name, new)
-            self._kbuf[:, :, n : n + m] = key_states
-            self._vbuf[:, :, n : n + m] = value_states
-            self._n = n + m
-            self.keys, self.values = self._kbuf[:, :, : self._n], self._vbuf[:, :, : self._n]
-            return self.keys, self.values
-
-    _RESERVED = _ReservedLayer
-    return _RESERVED
-
-
-def _fresh_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Anonymous memory whose pages a background thread faults in while the request fingerprints the model.
-
-    New memory costs a page fault and a zero-fill per page on first write (~1.5 GB/s on the
-    2-core VM, more than the copy itself). Started here, that work overlaps the fingerprint
-    and the first block reads instead of stalling them. Plain pages, not transparent huge
-    pages: on a fragmented machine their compaction stalled the first write for ~0.5 s (measured).
-    """
-    size = max(1, int(np.prod(shape)) * dtype.itemsize)
-    area = mmap.mmap(-1, size)
-    out = np.frombuffer(area, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-    madvise = _libc_madvise()
-    if madvise is not None:
-        address = out.ctypes.data
-
-        def populate(keep: mmap.mmap = area) -> None:  # holds the mapping until done: never another's pages
-            madvise(address, size, 23)  # MADV_POPULATE_WRITE (Linux >= 5.14); fails harmlessly elsewhere
-
-        # Through ctypes, which lets go of the GIL for the call (mmap.madvise holds it throughout).
-        threading.Thread(target=populate, name="promptstore-kv-populate", daemon=True).start()
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _host_view(t: Any) -> np.ndarray:
-    """A numpy view of a CPU tensor (bfloat16 as its raw uint16 bits)."""
-    import torch
-
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def _copy_block(dst: np.ndarray, src: np.ndarray, stored: str, dtype: Any) -> None:
-    """Copy one stored block into its slice of the final buffer, converting the dtype."""
-    import torch
-
-    if dtype == torch.bfloat16:
-        if stored == "BF16":
-            np.copyto(dst, src)
-        else:
-            as_torch = torch.from_numpy(np.array(src, dtype=np.float32 if stored == "F32" else np.float16))
-            np.copyto(dst, as_torch.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
-    elif stored == "BF16":
-        # bfloat16 is the top half of a float32: widening is a shift, exact and fast.
-        np.copyto(dst, (src.astype(np.uint32) << 16).view(np.float32), casting="unsafe")
-    else:
-        np.copyto(dst, src, casting="unsafe")

@@ -1,0 +1,199 @@
+"""Admission: whether a model's prefix KV can be stored and served exactly, decided before anything is stored.
+
+The checks that need no forward (``check_structure``) run on every PrefixCache; the verdict of
+the probe forwards (``probe_model``) is kept in the store per architecture (``checked_layout``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore
+from promptstore.errors import UnsupportedModelError
+
+from ._buffers import kv_layers
+from ._fingerprint import architecture
+
+__all__ = ["CHECK_KIND", "check_structure", "checked_layout", "probe_model", "vocab_size"]
+
+CHECK_KIND = "llm.check"  # a model architecture's verdict of probe_model, so a fresh process skips its forwards
+
+
+def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[int, int, int, Any]:
+    """probe_model's verdict, from the store when this architecture passed it before.
+
+    The verdict depends on the model's code (class, config, attention implementation,
+    library versions), its dtype and device, never on the weights; the forward-free
+    checks still run every time. Its four forwards cost ~0.6 s on SmolLM2, which would
+    otherwise land on the first request of every fresh process.
+    """
+    import torch
+    import transformers
+
+    check_structure(model)  # the checks without a forward run every time
+    key = store.key(CHECK_KIND, fingerprints=[architecture(model), repr(signature),
+                                              f"transformers={transformers.__version__}",
+                                              f"torch={torch.__version__}"])
+    entry = store.get(key, kind=CHECK_KIND)
+    dtype = getattr(torch, entry.meta.get("dtype", ""), None) if entry is not None else None
+    if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (3,):
+        layers, heads, head_dim = (int(x) for x in entry.tensors["layout"])
+        return layers, heads, head_dim, dtype
+    t0 = time.perf_counter()
+    layers, heads, head_dim, dtype = probe_model(model, output_cache)
+    store.put(key, {"layout": np.array([layers, heads, head_dim], np.int64)}, kind=CHECK_KIND,
+              cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
+    return layers, heads, head_dim, dtype
+
+
+def _rope_types(model: Any) -> set[str]:
+    """Every RoPE type the model's rotary modules and config name (a per-layer-type dict counts each)."""
+    found: set[str] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, str):
+            found.add(value)
+        elif isinstance(value, Mapping):
+            for key in ("rope_type", "type"):
+                if isinstance(value.get(key), str):
+                    found.add(value[key])
+            for v in value.values():
+                if isinstance(v, Mapping):
+                    add(v)
+
+    for module in model.modules():
+        add(getattr(module, "rope_type", None))
+    config = model.config
+    for cfg in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
+        for attr in ("rope_parameters", "rope_scaling"):
+            add(getattr(cfg, attr, None))
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get(decoder=True) if get is not None else config
+    except TypeError:
+        return get()
+
+
+def vocab_size(model: Any) -> int:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None)
+    return int(n if n is not None else _text_config(model.config).vocab_size)
+
+
+def _check_cache(name: str, text: Any, cache: Any) -> None:
+    """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if cache is None:
+        raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
+    if type(cache) is not DynamicCache:
+        raise UnsupportedModelError(f"{name} keeps its state in a {type(cache).__name__}, not a plain DynamicCache "
+                                    "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if kinds:
+        why = []
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            why.append("sliding-window layers drop old tokens")
+        if any("Linear" in k or "Mamba" in k for k in kinds):
+            why.append("linear-attention/SSM layers keep a running state, not per-token KV")
+        if any("Indexed" in k for k in kinds):
+            why.append("indexed (sparse) attention keeps indexer state beside the KV")
+        if any("Dummy" in k for k in kinds):
+            why.append("some layers keep no KV of their own")
+        raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
+                                    f"{'; '.join(why) or 'not plain per-token KV'}")
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(n_layers, int) and n_layers != len(cache.layers):
+        raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
+                                    "(shared or skipped KV): not supported")
+    layers = kv_layers(cache)
+    if any(k is None or v is None for k, v in layers):
+        raise UnsupportedModelError(f"{name} leaves some cache layers empty: not supported")
+    shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in layers}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
+    (kshape, vshape, _), = shapes
+    if len(kshape) == 4 and len(vshape) == 4 and kshape[:3] == vshape[:3] and kshape[3] != vshape[3]:
+        raise UnsupportedModelError(f"{name} keeps keys and values of different widths ({kshape[3]} and {vshape[3]}, "
+                                    "e.g. multi-head latent attention): not supported yet")
+    if len(kshape) != 4 or kshape != vshape or kshape[0] != 1:
+        raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
+
+
+def check_structure(model: Any) -> None:
+    """The checks that need no forward pass (run on every PrefixCache, even when the verdict is stored).
+
+    Raises:
+        UnsupportedModelError: an encoder-decoder model, length-dependent RoPE, KV sharing.
+    """
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model: its decoder KV depends on the encoder input")
+    moving = sorted(t for t in _rope_types(model) if "dynamic" in t or t == "longrope")
+    if moving:
+        raise UnsupportedModelError(
+            f"{name} uses RoPE whose frequencies depend on the sequence length ({', '.join(moving)}): KV computed "
+            "at one length differs from a recompute at another")
+    if getattr(_text_config(model.config), "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
+
+
+
+def probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
+    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly (after check_structure).
+
+    Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
+    ``DynamicLayer`` of one shape (every token's keys and values, kept whole), with RoPE (if
+    any) whose frequencies do not depend on the sequence length. Everything else is refused
+    before anything is looked up or stored: a block stored now would be served wrong later.
+
+    Raises:
+        UnsupportedModelError: with the reason.
+    """
+    import torch
+
+    name = type(model).__name__
+    text = _text_config(model.config)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    vocab = vocab_size(model)
+    pad = getattr(text, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 2 % vocab
+    probe = torch.tensor([[1 % vocab, pad, 3 % vocab, 4 % vocab, pad, 6 % vocab, 7 % vocab]], device=model.device)
+    try:
+        with torch.no_grad():
+            out = model(probe, use_cache=True)
+            full_logits = out.logits[0].float()
+            cache = output_cache(out)
+            _check_cache(name, text, cache)
+            # The same tokens in pieces, as a cached prefix and then a request's own tokens run
+            # them. Some models are not exact here: positions counted from pad tokens in the
+            # prompt (RoBERTa family), ALiBi variants (MPT) - found by tests/llm_zoo.py.
+            steps, past = [], None
+            for lo, hi in ((0, 3), (3, 4), (4, 7)):
+                kwargs = {cache_arg: past} if past is not None else {}
+                piece = model(probe[:, lo:hi], use_cache=True, **kwargs)
+                past = output_cache(piece)
+                steps.append(piece.logits[0].float())
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here means "not a plain causal LM call"
+        raise UnsupportedModelError(f"{name} does not run as a plain causal LM with a KV cache: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+    drift = float((torch.cat(steps) - full_logits).abs().max())
+    # Relative: special tokens drive real models to huge activations, where float32 rounding
+    # alone reaches 4e-4 of the largest score (SmolLM2). Systematic drift is of its order.
+    if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
+        raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
+                                    f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
+    (kshape, _, dtype), = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in kv_layers(cache)}
+    return len(cache.layers), kshape[1], kshape[3], dtype

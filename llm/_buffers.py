@@ -1,0 +1,221 @@
+"""Where loaded KV lives: host and GPU buffers with room to grow, reused across requests, and copies into them.
+
+A load reads every stored block straight into its slice of one buffer per side (keys, values)
+for all layers; the cache handed to the model is made of views of those buffers, written in
+place as the prompt's tail and the generated tokens arrive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CAPACITY_STEP", "RESERVE_TOKENS", "KVBuffers", "copy_block", "host_view", "kv_layers", "make_cache"]
+
+RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
+CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
+
+
+def kv_layers(cache: Any) -> list[tuple[Any, Any]]:
+    """(keys, values) per layer, across transformers' cache layouts."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
+
+
+class KVBuffers:
+    """The buffers one PrefixCache loads KV into: host pairs reused across requests, pinned slots for a GPU."""
+
+    def __init__(self) -> None:
+        self._staging: list[tuple[Any, Any]] | None = None  # pinned host slots for copies to a GPU
+        self._pool: list[tuple[np.ndarray, np.ndarray]] = []  # host KV buffers, reused once no tensor holds them
+
+    def staging_slots(self, layout: tuple[int, int, int, Any], block_tokens: int, n: int) -> list[tuple[Any, Any]]:
+        """Pinned host blocks that GPU loads are read into (allocated once: pinning is slow)."""
+        import torch
+
+        layers, heads, head_dim, dtype = layout
+        shape = (layers, heads, block_tokens, head_dim)
+        if self._staging is None or len(self._staging) < n or self._staging[0][0].shape != shape \
+                or self._staging[0][0].dtype != dtype:
+            self._staging = [(torch.empty(shape, dtype=dtype, pin_memory=True),
+                              torch.empty(shape, dtype=dtype, pin_memory=True)) for _ in range(n)]
+        return self._staging[:n]
+
+    def allocate(self, layout: tuple[int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
+        """A (keys, values) pair of shape (layers, 1, kv heads, capacity, head dim) on ``device``."""
+        import torch
+
+        layers, heads, head_dim, dtype = layout
+        shape = (layers, 1, heads, capacity, head_dim)
+        # One buffer per side for all layers; each block is copied once, straight into the
+        # final per-layer tensors (views of these).
+        if device.type == "cuda":
+            return (torch.empty(shape, dtype=dtype, device=device),
+                    torch.empty(shape, dtype=dtype, device=device))
+        # A pair whose every tensor is gone (the caller dropped that request's cache) is reused:
+        # its pages are already faulted in, so a load costs the copy and little else.
+        np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        pair = None
+        for i in range(len(self._pool)):
+            held = self._pool[i][0]
+            fits = held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity and held.shape[4] == head_dim
+            del held
+            # Refcount 2 (the pool's tuple and the call's argument): no tensor of an earlier cache holds it.
+            if fits and sys.getrefcount(self._pool[i][0]) == 2 and sys.getrefcount(self._pool[i][1]) == 2:
+                pair = self._pool.pop(i)
+                break
+        if pair is None:
+            pair = (_fresh_buffer(shape, np_dtype), _fresh_buffer(shape, np_dtype))
+        self._pool = [pair, *self._pool][:2]  # the last two requests' buffers: one may still be held
+        out = tuple(torch.from_numpy(a) for a in pair)
+        if dtype == torch.bfloat16:
+            out = tuple(t.view(torch.bfloat16) for t in out)
+        return out[0], out[1]
+
+
+def make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
+    """A DynamicCache over the first ``n`` tokens of per-layer buffers, without copying them."""
+    from transformers import DynamicCache
+
+    full_k, full_v = buffers
+    kv = [(full_k[i], full_v[i]) for i in range(full_k.shape[0])]
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", None)
+    reserved = _reserved_layer_class()
+    if (reserved is not None and layers is not None and len(layers) == len(kv)
+            and all(type(layer).__name__ == "DynamicLayer" for layer in layers)):
+        cache.layers = [reserved(k, v, n) for k, v in kv]
+        return cache
+    # Another cache layout (older transformers): hand over exactly the filled part.
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k[:, :, :n], v[:, :, :n], i)
+    return cache
+
+
+_RESERVED: Any = False
+
+
+def _reserved_layer_class() -> Any:
+    """A DynamicLayer that writes new tokens into spare capacity instead of concatenating.
+
+    transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),
+    the prompt's tail and then each generated token: O(prefix) per step. Loaded caches already
+    live in buffers we allocated, so they are allocated with room to grow and written in place;
+    when the room runs out the buffer doubles. Anything that replaces ``keys`` behind our back
+    (beam reordering) sends the layer back to plain concatenation. None if DynamicLayer is absent.
+    """
+    global _RESERVED
+    if _RESERVED is not False:
+        return _RESERVED
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        _RESERVED = None
+        return None
+
+    import torch
+
+    class _ReservedLayer(DynamicLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
+            super().__init__()
+            self.lazy_initialization(kbuf, vbuf)
+            self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
+
+        def _in_place(self) -> bool:
+            k = self.keys
+            if k is not None and k.ndim == 4 and k.shape[-2] == 0 and k.shape[:-2] == self._kbuf.shape[:-2]:
+                self._n = 0  # empty: its data_ptr is 0, not the buffer's
+                return True
+            if k is None or k.data_ptr() != self._kbuf.data_ptr() or k.stride() != self._kbuf.stride():
+                return False
+            self._n = k.shape[-2]  # e.g. after crop(): still a prefix of our buffer
+            return True
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized or not self._in_place():
+                return super().update(key_states, value_states, *args, **kwargs)
+            n, m = self._n, key_states.shape[-2]
+            if n + m > self._kbuf.shape[-2]:
+                cap = max(n + m, 2 * self._kbuf.shape[-2])
+                for name in ("_kbuf", "_vbuf"):
+                    old = getattr(self, name)
+                    new = torch.empty((*old.shape[:-2], cap, old.shape[-1]), dtype=old.dtype, device=old.device)
+                    new[:, :, :n] = old[:, :, :n]
+                    setattr(self, name, new)
+            self._kbuf[:, :, n : n + m] = key_states
+            self._vbuf[:, :, n : n + m] = value_states
+            self._n = n + m
+            self.keys, self.values = self._kbuf[:, :, : self._n], self._vbuf[:, :, : self._n]
+            return self.keys, self.values
+
+    _RESERVED = _ReservedLayer
+    return _RESERVED
+
+
+def _fresh_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Anonymous memory whose pages a background thread faults in while the request fingerprints the model.
+
+    New memory costs a page fault and a zero-fill per page on first write (~1.5 GB/s on the
+    2-core VM, more than the copy itself). Started here, that work overlaps the fingerprint
+    and the first block reads instead of stalling them. Plain pages, not transparent huge
+    pages: on a fragmented machine their compaction stalled the first write for ~0.5 s (measured).
+    """
+    size = max(1, int(np.prod(shape)) * dtype.itemsize)
+    area = mmap.mmap(-1, size)
+    out = np.frombuffer(area, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    madvise = _libc_madvise()
+    if madvise is not None:
+        address = out.ctypes.data
+
+        def populate(keep: mmap.mmap = area) -> None:  # holds the mapping until done: never another's pages
+            madvise(address, size, 23)  # MADV_POPULATE_WRITE (Linux >= 5.14); fails harmlessly elsewhere
+
+        # Through ctypes, which lets go of the GIL for the call (mmap.madvise holds it throughout).
+        threading.Thread(target=populate, name="promptstore-kv-populate", daemon=True).start()
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def host_view(t: Any) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as its raw uint16 bits)."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def copy_block(dst: np.ndarray, src: np.ndarray, stored: str, dtype: Any) -> None:
+    """Copy one stored block into its slice of the final buffer, converting the dtype."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        if stored == "BF16":
+            np.copyto(dst, src)
+        else:
+            as_torch = torch.from_numpy(np.array(src, dtype=np.float32 if stored == "F32" else np.float16))
+            np.copyto(dst, as_torch.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    elif stored == "BF16":
+        # bfloat16 is the top half of a float32: widening is a shift, exact and fast.
+        np.copyto(dst, (src.astype(np.uint32) << 16).view(np.float32), casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")

@@ -1,0 +1,22 @@
+"""Token counters behind ``PrefixCache.stats`` and ``ChunkCache.stats``."""
+
+from __future__ import annotations
+
+__all__ = ["Counts"]
+
+
+class Counts:
+    """Token counters of a request, or of all requests (``add``)."""
+
+    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests")
+
+    def __init__(self) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {n: getattr(self, n) for n in self.FIELDS}
+
+    def add(self, other: Counts) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
