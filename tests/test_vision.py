@@ -54,6 +54,34 @@ def store(tmp_path):
         yield s
 
 
+def stand_in_text_model(encoder, path: Path) -> Path:
+    """A TorchScript text encoder traced here from the open_clip tower: it stands in for ultralytics' mobileclip_blt.ts."""
+    import warnings
+
+    import open_clip
+
+    class Tower(torch.nn.Module):
+        def __init__(self, enc):
+            super().__init__()
+            self.model = enc._build()
+
+        def forward(self, tokens):
+            return torch.nn.functional.normalize(self.model(tokens), dim=-1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's tracer and deprecation warnings
+        torch.jit.trace(Tower(encoder).eval(), open_clip.tokenize(["forklift", "pallet"]), check_trace=False).save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def own_text_model(tmp_path_factory, encoder):
+    """A working folder holding the model's own text model file, so set_classes' default encoder runs."""
+    folder = tmp_path_factory.mktemp("own-text-model")
+    stand_in_text_model(encoder, folder / "mobileclip_blt.ts")
+    return folder
+
+
 def lvis_names(n: int) -> list[str]:
     import yaml
 
@@ -144,20 +172,117 @@ def test_npz_written_by_us_loads_in_ultralytics(encoder, store, tmp_path):
     assert list(other.model.names.values()) == WAREHOUSE
 
 
-def test_npz_written_by_ultralytics_imports_and_then_hits_without_an_encoder(encoder, store, tmp_path):
+def test_npz_written_by_ultralytics_imports_and_its_handle_serves_it_without_an_encoder(encoder, store, tmp_path):
     source = yoloe()
     set_classes(source, WAREHOUSE, store=PromptStore(tmp_path / "elsewhere"), encoder=encoder)
     source.save_prompt_embeddings(tmp_path / "theirs.npz")
     target = yoloe()
     report = import_npz(target, tmp_path / "theirs.npz", store=store)
     assert report.names == 8 and torch.equal(target.model.pe, source.model.pe)
-    # The default encoder (this model's mobileclip:blt) is not on disk, and is not needed:
+    assert report.source.startswith("npz:") and len(report.source) == 68
+    # One entry of its own; nothing under the encoder's keys (its names are not known to be text).
+    assert [e.kind for e in store.ls()] == ["vision.npz"]
+    assert import_npz(yoloe(), tmp_path / "theirs.npz", store=store).source == report.source  # content-addressed
+    assert len(store.ls()) == 1
+    # The handle serves any subset in any order, without an encoder (this model's mobileclip:blt is not on disk):
     fresh = yoloe()
-    r = set_classes(fresh, WAREHOUSE[:4], store=store)
-    assert (r.hits, r.misses, r.encoder_loaded) == (4, 0, False)
-    assert torch.equal(fresh.model.pe, source.model.pe[:, :4])
+    r = set_classes(fresh, WAREHOUSE[3::-1], store=store, source=report.source)
+    assert (r.hits, r.misses, r.encoder_loaded, r.from_set, r.source) == (4, 0, False, True, report.source)
+    assert torch.equal(fresh.model.pe, source.model.pe[:, [3, 2, 1, 0]])
+    assert list(fresh.model.names.values()) == WAREHOUSE[3::-1]
+    # Without the handle the names are text to encode, as if nothing had been imported:
     with pytest.raises(ModelUnavailableError, match="mobileclip_blt.ts"):
-        set_classes(fresh, ["something new"], store=store)
+        set_classes(fresh, WAREHOUSE[:4], store=store)
+    assert torch.equal(fresh.model.pe, source.model.pe[:, [3, 2, 1, 0]])  # unchanged by the refusal
+    # The entry travels in a bundle: another store serves the handle with no file at hand.
+    assert store.export_bundle(tmp_path / "npz.psb", kind="vision.npz") == 1
+    with PromptStore(tmp_path / "air-gapped") as other:
+        other.import_bundle(tmp_path / "npz.psb")
+        set_classes(fresh, WAREHOUSE, store=other, source=report.source)
+    assert torch.equal(fresh.model.pe, source.model.pe)
+
+
+def _visual_prompt_npz(path: Path) -> Path:
+    """What ultralytics users do: predict with visual prompts (classes become object0, object1), then save them."""
+    model = yoloe()
+    prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5], [30.0, 60.0, 300.0, 500.0]]), "cls": np.array([0, 1])}
+    model.predict(str(ASSETS / "bus.jpg"), visual_prompts=prompts, refer_image=str(ASSETS / "bus.jpg"), verbose=False)
+    assert list(model.model.names.values()) == ["object0", "object1"]
+    return model.save_prompt_embeddings(path)
+
+
+def _renamed_npz(path: Path, encoder) -> Path:
+    """ImageNet's WordNet ids as prompts: ultralytics displays (and saves) them renamed, "n01440764" as "tench".
+
+    So the NPZ says "tench" for the embedding of the text "n01440764": its names are not what was encoded.
+    """
+    model = yoloe()
+    set_classes(model, ["n01440764", "n01443537"], store=PromptStore(path.parent / "renamer"), encoder=encoder)
+    assert list(model.model.names.values()) == ["tench", "goldfish"]  # ultralytics' check_class_names renamed them
+    return model.save_prompt_embeddings(path)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_an_npz_of_visual_prompts_or_renamed_classes_never_serves_those_names_as_text(encoder, store, tmp_path,
+                                                                                      own_text_model, monkeypatch):
+    """Issue #20: import_npz stored each NPZ name's embedding under the encoder's key for that name.
+
+    The model's own text model is on disk here (set_classes' default encoder, as import_npz's was), so
+    a stored embedding under its keys would be served: only what it computes may be.
+    """
+    npzs = {"visual": _visual_prompt_npz(tmp_path / "vp.npz"), "renamed": _renamed_npz(tmp_path / "renamed.npz", encoder)}
+    monkeypatch.chdir(own_text_model)
+    from promptstore.vision._classes import default_encoder
+
+    assert default_encoder(yoloe()).weights.resolve() == (own_text_model / "mobileclip_blt.ts").resolve()
+    handles = {k: import_npz(yoloe(), path, store=store).source for k, path in npzs.items()}
+    for k, path in npzs.items():
+        with np.load(path) as f:
+            names, emb = f["names"].tolist(), torch.from_numpy(f["embeddings"])
+        # Cache on (after the import) equals cache off: one name (a per-name lookup), then the whole
+        # vocabulary (a vocabulary lookup; the one name is the encoder's own entry by now).
+        for asked, counts in ((names[1:], (0, 1, False)), (names, (1, 1, False))):
+            model = yoloe()
+            r = set_classes(model, asked, store=store)
+            assert (r.hits, r.misses, r.from_set) == counts and r.source is None and r.encoder_loaded, k
+            off = yoloe()
+            set_classes(off, asked, store=PromptStore(tmp_path / f"off-{k}-{len(asked)}"))
+            assert (model.model.pe - off.model.pe).abs().max().item() <= 1e-5, k  # the encoder's batches differ
+            assert not torch.allclose(model.model.pe, emb[:, len(names) - len(asked):], atol=1e-3), k
+        # Asked for by its handle, the NPZ is what comes back, name by name:
+        model = yoloe()
+        r = set_classes(model, names[::-1], store=store, source=handles[k])
+        assert (r.hits, r.misses, r.encoder_loaded) == (2, 0, False) and torch.equal(model.model.pe, emb.flip(1)), k
+        assert list(model.model.names.values()) == names[::-1]
+        # ... and now the encoder's entries for those names are there, and the handle still serves the NPZ:
+        r = set_classes(model, names, store=store)
+        assert r.from_set and not torch.equal(model.model.pe, emb)
+        set_classes(model, names, store=store, source=handles[k])
+        assert torch.equal(model.model.pe, emb)
+
+
+def test_an_npz_handle_is_refused_where_it_cannot_be_served(encoder, store, tmp_path):
+    path = _renamed_npz(tmp_path / "renamed.npz", encoder)
+    handle = import_npz(yoloe(), path, store=store).source
+    model = yoloe()
+    set_classes(model, ["person"], store=store, encoder=encoder)
+    before_names, before_pe, before_entries = dict(model.model.names), model.model.pe.clone(), len(store.ls())
+    cases = [
+        (["n01440764"], handle, InvalidInputError, "does not hold"),  # what was encoded is not what the NPZ says
+        (["tench"], "renamed.npz", InvalidInputError, "handle"),  # a path is no handle
+        (["tench"], "npz:" + "0" * 64, ModelUnavailableError, "not in this store"),
+    ]
+    for names, source, error, match in cases:
+        with pytest.raises(error, match=match):
+            set_classes(model, names, store=store, source=source)
+    with PromptStore(store.path, namespace="other") as other, pytest.raises(ModelUnavailableError):
+        set_classes(model, ["tench"], store=other, source=handle)  # a namespace never serves another's NPZ
+    torch.manual_seed(0)
+    medium = YOLOE("yoloe-11m-seg.yaml")
+    with pytest.raises(InvalidInputError, match="made for 'yoloe-11s'"):
+        set_classes(medium, ["tench"], store=store, source=handle)
+    assert model.model.names == before_names and torch.equal(model.model.pe, before_pe)
+    assert len(store.ls()) == before_entries
 
 
 def test_class_prompt_bundle_moves_to_a_new_folder(encoder, store, tmp_path):
@@ -251,25 +376,10 @@ def test_ultralytics_encoder_says_where_its_file_goes(tmp_path):
         UltralyticsTextEncoder("clip:ViT-B/32")
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_ultralytics_encoder_runs_a_torchscript_file(tmp_path, encoder):
     """A TorchScript text encoder built here from the open_clip tower stands in for mobileclip_blt.ts."""
-
-    class Tower(torch.nn.Module):
-        def __init__(self, enc):
-            super().__init__()
-            self.model = enc._build()
-
-        def forward(self, tokens):
-            return torch.nn.functional.normalize(self.model(tokens), dim=-1)
-
-    import open_clip
-
-    tokens = open_clip.tokenize(["forklift", "pallet"])
-    traced = torch.jit.trace(Tower(encoder).eval(), tokens, check_trace=False)
-    path = tmp_path / "mobileclip_blt.ts"
-    traced.save(str(path))
-    enc = UltralyticsTextEncoder("mobileclip:blt", weights=path)
+    enc = UltralyticsTextEncoder("mobileclip:blt", weights=stand_in_text_model(encoder, tmp_path / "mobileclip_blt.ts"))
     assert enc.fingerprint.startswith("ultralytics:mobileclip:blt:file:")
     feats = enc.encode(["forklift", "pallet", "hard hat"])
     assert feats.shape == (3, 512) and np.abs(feats - encoder.encode(["forklift", "pallet", "hard hat"])).max() <= 1e-5

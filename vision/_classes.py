@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from promptstore import PromptStore, digest_tensors
-from promptstore.errors import InvalidInputError
+from promptstore import PromptStore, digest_tensors, make_key
+from promptstore.errors import InvalidInputError, ModelUnavailableError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
 
 __all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
-           "TEXT_KIND", "PE_KIND", "SET_KIND"]
+           "TEXT_KIND", "PE_KIND", "SET_KIND", "NPZ_KIND"]
 
-TEXT_KIND, PE_KIND, SET_KIND = "vision.text", "vision.pe", "vision.peset"
+TEXT_KIND, PE_KIND, SET_KIND, NPZ_KIND = "vision.text", "vision.pe", "vision.peset", "vision.npz"
 NPZ_KEYS = {"embeddings", "names", "model"}
 
 
@@ -46,6 +46,9 @@ class ClassesReport:
     seconds: float
     encoder_loaded: bool  #: whether the text encoder was built (never on a full hit)
     from_set: bool  #: the whole vocabulary came from one stored entry
+    #: the imported NPZ the embeddings came from (``"npz:"`` + a digest of its content): what
+    #: ``import_npz`` returns, to pass as ``set_classes(..., source=...)``; None for text prompts
+    source: str | None = None
 
 
 def _visible(ch: str) -> bool:
@@ -92,6 +95,71 @@ def vocabulary_payload(names: Sequence[str]) -> bytes:
         data = n.encode("utf-8")
         out += len(data).to_bytes(8, "little") + data
     return bytes(out)
+
+
+def _names_from_payload(data: bytes) -> list[str] | None:
+    """The inverse of :func:`vocabulary_payload`; None for bytes it did not make."""
+    if len(data) < 8:
+        return None
+    count, pos, names = int.from_bytes(data[:8], "little"), 8, []
+    for _ in range(count):
+        if pos + 8 > len(data):
+            return None
+        size = int.from_bytes(data[pos : pos + 8], "little")
+        pos += 8
+        if pos + size > len(data):
+            return None
+        try:
+            names.append(data[pos : pos + size].decode("utf-8"))
+        except UnicodeDecodeError:
+            return None
+        pos += size
+    return names if pos == len(data) else None
+
+
+def npz_source(model_id: str, names: Sequence[str], embeddings: np.ndarray) -> str:
+    """The handle of an NPZ's content: ``"npz:"`` + the key digest of its model id, names and embeddings.
+
+    The same file, or any NPZ holding the same model id, names (in order) and float32 values, has
+    the same handle on every machine and in every namespace; anything else has another.
+    """
+    emb = np.ascontiguousarray(embeddings, dtype="<f4")
+    digest = make_key(NPZ_KIND, vocabulary_payload(names) + emb.tobytes(),
+                      fingerprints=[f"model={model_id}", f"float32{list(emb.shape)}"])
+    return "npz:" + digest.hex()
+
+
+def _source_key(store: PromptStore, source: Any) -> bytes:
+    if not (isinstance(source, str) and len(source) == 68 and source.startswith("npz:")
+            and all(c in "0123456789abcdef" for c in source[4:])):
+        raise InvalidInputError(f"source must be the handle import_npz returned (report.source, 'npz:' + 64 hex "
+                                f"characters), got {source!r}")
+    return store.key(NPZ_KIND, bytes.fromhex(source[4:]))
+
+
+def _read_source(store: PromptStore, source: str, wrapper: Any, dim: int) -> tuple[list[str], np.ndarray]:
+    """An imported NPZ's (names, (n, dim) embeddings), checked against its handle and this model.
+
+    Raises:
+        InvalidInputError: a malformed handle, an NPZ made for another model id or embedding width.
+        ModelUnavailableError: the NPZ is not in this store (never imported here, or evicted).
+    """
+    entry = store.get(_source_key(store, source), kind=NPZ_KIND)
+    names = pe = None
+    model_id = entry.meta.get("model") if entry is not None else None
+    if entry is not None and model_id is not None and entry.dtypes.get("names") == "U8" and entry.dtypes.get("pe") == "F32":
+        names = _names_from_payload(entry.tensors["names"].tobytes())
+        pe = entry.tensors["pe"]
+    # Content-addressed: what the entry holds must be what the handle names, or it is no hit.
+    if names is None or pe is None or pe.ndim != 2 or pe.shape[0] != len(names) \
+            or npz_source(str(model_id), names, pe[None]) != source:
+        raise ModelUnavailableError(f"the NPZ {source} is not in this store (namespace {store.namespace!r}): "
+                                    "import_npz(model, 'its file.npz', store=store) puts it there")
+    if model_id != _model_id(wrapper):
+        raise InvalidInputError(f"the NPZ {source} was made for {model_id!r}, this model is {_model_id(wrapper)!r}")
+    if pe.shape[1] != dim:
+        raise InvalidInputError(f"the NPZ {source} holds {pe.shape[1]}-d embeddings, this detector takes {dim}-d ones")
+    return names, pe
 
 
 def _unwrap(model: Any) -> tuple[Any, Any, str]:
@@ -247,13 +315,18 @@ def _apply(model: Any, names: list[str], pe: np.ndarray) -> None:
 
 
 def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = None,
-                encoder: TextEncoder | None = None, batch: int | None = None) -> ClassesReport:
+                encoder: TextEncoder | None = None, batch: int | None = None, *,
+                source: str | None = None) -> ClassesReport:
     """Give a YOLOE (or YOLOWorld) model its classes, computing only what the store lacks.
 
     Looks the vocabulary up as a whole, then each name's detector-ready embedding, then its
     raw text feature; encodes only the names missing at both levels (sorted by length, in
     batches), maps them with the model's own head, stores everything, and calls the model's
     ``set_classes(names, embeddings)``. A full hit never builds the text encoder.
+
+    The names are text for the encoder: an imported NPZ is never used here unless asked for
+    with ``source``, since its names are only labels (``object0`` for a visual prompt, a
+    renamed class), whatever they spell.
 
     Args:
         model: ``ultralytics.YOLOE`` / ``YOLOWorld``, or their inner detection model.
@@ -262,13 +335,19 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
         encoder: default: the model's own text model through :class:`UltralyticsTextEncoder`
             (its ``.ts`` file must be on disk if anything has to be encoded).
         batch: texts per encoder pass.
+        source: the handle of an NPZ imported into this store (``import_npz(...).source``):
+            take these names' embeddings from it, by its names, in the order given (any
+            subset of them), as ``load_prompt_embeddings`` would apply them; nothing is
+            encoded. Needs an ``ultralytics.YOLOE`` of the NPZ's model id.
 
     Returns:
         A :class:`ClassesReport`.
 
     Raises:
-        InvalidInputError: bad names or model. Nothing is stored and the model is unchanged.
-        ModelUnavailableError: something had to be encoded and the encoder's weights are missing.
+        InvalidInputError: bad names or model; with ``source``: a malformed handle, a name the
+            NPZ does not hold, another model id. Nothing is stored and the model is unchanged.
+        ModelUnavailableError: something had to be encoded and the encoder's weights are
+            missing; or the ``source`` NPZ is not in this store (import it again).
     """
     import torch
 
@@ -276,6 +355,8 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     names = check_names(names)
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
         raise InvalidInputError(f"batch must be a positive int, got {batch!r}")
+    if source is not None:
+        return _classes_from_source(model, names, store, source, t0, encoder)
     encoder = encoder if encoder is not None else default_encoder(model)
     wrapper, inner, kind, dim = check_target(model, encoder)  # everything that can fail, before any store work
     store = store if store is not None else PromptStore()
@@ -355,13 +436,40 @@ def export_npz(model: Any, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def import_npz(model: Any, path: str | os.PathLike[str], store: PromptStore | None = None,
-               encoder: TextEncoder | None = None) -> ClassesReport:
+def _classes_from_source(model: Any, names: list[str], store: PromptStore | None, source: str, t0: float,
+                         encoder: TextEncoder | None) -> ClassesReport:
+    wrapper, inner, kind = _unwrap(model)
+    if wrapper is None or kind != "yoloe":
+        raise InvalidInputError("set_classes(source=...) needs an ultralytics.YOLOE model (an NPZ is bound to its model id)")
+    dim = _head_width(inner, kind)
+    store = store if store is not None else PromptStore()
+    held, pe = _read_source(store, source, wrapper, dim)
+    row = {n: i for i, n in enumerate(held)}
+    absent = [n for n in names if n not in row]
+    if absent:
+        raise InvalidInputError(f"the NPZ {source} does not hold {absent[:20]} (it holds {held[:20]}"
+                                f"{'...' if len(held) > 20 else ''}); its names are labels, matched exactly")
+    _apply(model, names, pe[[row[n] for n in names]])
+    return ClassesReport(len(names), len(names), 0, 0, time.perf_counter() - t0,
+                         bool(encoder is not None and encoder.loaded), True, source)
+
+
+def import_npz(model: Any, path: str | os.PathLike[str], store: PromptStore | None = None) -> ClassesReport:
     """Read an ultralytics prompt-embedding NPZ, validate it, store it, and apply it.
 
-    The embeddings are stored under this detector's fingerprint (and the encoder's, default:
-    the model's own text model, named but not loaded), so a later ``set_classes`` with any
-    of these names hits without an encoder.
+    What ``YOLOE.load_prompt_embeddings`` does, checked more strictly. An NPZ's names are
+    labels: text prompts (``set_classes`` then ``save_prompt_embeddings``), visual prompts
+    (``predict(visual_prompts=...)`` names them ``object0``, ``object1``...) or classes renamed
+    for display, in one format that does not say which. So the NPZ is stored as one entry of
+    its own (kind ``vision.npz``), keyed by its content (model id, names, embeddings), never
+    under the encoder's keys for those names: a later ``set_classes(model, names)`` encodes the
+    names as text, as before the import. To reuse the NPZ from the store (another process or
+    host sharing it, no file at hand), pass the returned ``report.source`` handle:
+    ``set_classes(model, names, store=store, source=report.source)``.
+
+    Returns:
+        A :class:`ClassesReport` whose ``source`` is the NPZ's handle (the same for the same
+        content on every machine); nothing was encoded.
 
     Raises:
         InvalidInputError: unreadable file, pickled objects, missing or extra keys, another
@@ -404,13 +512,10 @@ def import_npz(model: Any, path: str | os.PathLike[str], store: PromptStore | No
     if not np.isfinite(embeddings).all():
         raise InvalidInputError("embeddings must be finite (no NaN or inf)")
     store = store if store is not None else PromptStore()
-    encoder = encoder if encoder is not None else default_encoder(model)
-    check_target(model, encoder)
-    keys = Recipes(store, encoder.fingerprint, detector_fingerprint(model))
-    meta = {"encoder": keys.efp, "detector": str(keys.dfp), "source": f"npz:{Path(path).name}"}
-    for i, name in enumerate(names_list):
-        store.put(keys.pe(name), {"pe": embeddings[0, i]}, kind=PE_KIND, meta={**meta, "name": name})
-    store.put(keys.vocabulary(names_list), {"pe": embeddings[0]}, kind=SET_KIND,
-              meta={**meta, "names": str(len(names_list))})
+    model_id = _model_id(wrapper)
+    source = npz_source(model_id, names_list, embeddings)
+    store.put(_source_key(store, source), {"pe": embeddings[0], "names": np.frombuffer(vocabulary_payload(names_list), np.uint8)},
+              kind=NPZ_KIND, cost_s=time.perf_counter() - t0,
+              meta={"model": model_id, "names": str(len(names_list)), "file": Path(path).name})
     _apply(model, names_list, embeddings[0])
-    return ClassesReport(len(names_list), 0, 0, 0, time.perf_counter() - t0, encoder.loaded, False)
+    return ClassesReport(len(names_list), 0, 0, 0, time.perf_counter() - t0, False, False, source)
