@@ -45,7 +45,7 @@ rows = []
 model.token_embedding.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0]))
 t0 = time.perf_counter()
 w = zero_shot_classifier(model, tok, list(IMAGENET_CLASSNAMES[:classes]), list(OPENAI_IMAGENET_TEMPLATES[:templates]),
-                         store=PromptStore(folder))
+                         device=device, store=PromptStore(folder))
 print(json.dumps({"seconds": time.perf_counter() - t0, "encoded": sum(rows), "shape": list(w.shape)}))
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
     open_clip_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     with PromptStore(folder) as store:
-        cold = zero_shot_classifier(model, tok, classes, templates, store=store, progress=False)
+        cold = zero_shot_classifier(model, tok, classes, templates, device=args.device, store=store)
     cold_s = time.perf_counter() - t0
     diff = (cold - ref).abs().max().item()
     print(f"{n} classes x {len(templates)} templates: open_clip {open_clip_s:.1f} s, cold {cold_s:.1f} s "
@@ -106,7 +106,7 @@ def main() -> None:
     model.token_embedding.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0]))
     t0 = time.perf_counter()
     with PromptStore(folder) as store:
-        zero_shot_classifier(model, tok, classes, templates + extra, store=store, progress=False)
+        zero_shot_classifier(model, tok, classes, templates + extra, device=args.device, store=store)
     new_template_s, new_template_encoded = time.perf_counter() - t0, sum(rows)
     zs = {"model": args.model, "device": args.device, "classes": args.classes, "measured_classes": n, "templates": len(templates),
           "open_clip_s": open_clip_s * scale, "cold_s": cold_s * scale, "warm_fresh_s": warm_s,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
 
 from promptstore import PromptStore
-from promptstore.errors import InvalidInputError
+from promptstore.errors import InvalidInputError, PromptStoreWarning
 from promptstore.vision import zero_shot_classifier
 from promptstore.vision._classes import TEXT_KIND
 
@@ -36,11 +38,12 @@ class Encoded:
     """Counts the prompts the text tower really runs (a hook on its token embedding)."""
 
     def __init__(self, model) -> None:
-        self.rows = 0
+        self.rows, self.batches = 0, []
         self.handle = model.token_embedding.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output) -> None:
         self.rows += args[0].shape[0]
+        self.batches.append(args[0].shape[0])
 
     def __enter__(self) -> Encoded:
         return self
@@ -139,13 +142,14 @@ def test_an_interrupted_build_resumes_where_it_stopped(vitb32, tmp_path):
         handle = model.token_embedding.register_forward_hook(stop_second)
         try:
             with pytest.raises(KeyboardInterrupt):
-                zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store, batch=8)
+                zero_shot_classifier(model, tok, CLASSES, TEMPLATES, num_classes_per_batch=2, store=store)
         finally:
             handle.remove()
-        assert len(store.ls(kind=TEXT_KIND)) == 8  # the first batch was stored as it finished
+        assert batches == [10, 10]  # 2 classes x 5 templates per forward, as open_clip batches
+        assert len(store.ls(kind=TEXT_KIND)) == 10  # the first batch was stored as it finished
         with Encoded(model) as enc:
-            out = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store, batch=8)
-        assert enc.rows == len(CLASSES) * len(TEMPLATES) - 8
+            out = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, num_classes_per_batch=2, store=store)
+        assert enc.rows == len(CLASSES) * len(TEMPLATES) - 10
     assert same(out, build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES)) <= 1e-6
 
 
@@ -212,3 +216,126 @@ def test_a_changed_setting_that_is_no_weight_misses_and_equals_open_clip(tmp_pat
             out = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
         assert enc.rows == 6
     assert same(out, build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])) <= 1e-6
+
+
+# The tolerance of each dtype: float32 within 1e-6 as before; half and bfloat16 within one unit in
+# the last place of a value below 1 (2**-10, 2**-7); float64 within 1e-12.
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float64: 1e-12}
+
+
+def in_dtype(dtype):
+    """ViT-B-32 (seed 0) cast as a user casts it: ``.half()``, ``.to(torch.bfloat16)``, ``.double()``."""
+    model, tok = clip()
+    return model.to(dtype), tok
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_each_dtype_gets_open_clips_dtype_and_values(dtype, tmp_path):
+    """open_clip computes in the model's dtype (encode_text, mean, norm): so does the store, cold, warm and partly warm."""
+    model, tok = in_dtype(dtype)
+    ref = build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES)
+    assert ref.dtype == dtype
+    with PromptStore(tmp_path / "s") as store:
+        float32, _ = clip()  # the same weights in float32 first: its entries are never another dtype's
+        zero_shot_classifier(float32, tok, CLASSES, TEMPLATES, store=store)
+        with Encoded(model) as enc:
+            cold = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store)
+        assert enc.rows == (0 if dtype == torch.float32 else len(CLASSES) * len(TEMPLATES))
+        with Encoded(model) as enc:
+            warm = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store)
+            more = zero_shot_classifier(model, tok, CLASSES + ["forklift"], TEMPLATES, store=store)
+        assert enc.rows == len(TEMPLATES)  # only the new class's prompts
+    ref_more = build_zero_shot_classifier(model, tok, CLASSES + ["forklift"], TEMPLATES)
+    for out, expected in ((cold, ref), (warm, ref), (more, ref_more)):
+        assert out.dtype == expected.dtype == dtype and out.device == expected.device
+        assert same(out.double(), expected.double()) <= TOLERANCE[dtype]
+
+
+def test_entries_of_another_dtype_are_misses(tmp_path):
+    """An older release kept float32 entries for a half model, under the same keys: they are never served."""
+    from promptstore.vision._zeroshot import CLASS_KIND, CLASSIFIER_KIND
+
+    model, tok = in_dtype(torch.float16)
+    ref = build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])
+    with PromptStore(tmp_path / "s") as store:
+        zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        for kind, name in ((TEXT_KIND, "text"), (CLASS_KIND, "w"), (CLASSIFIER_KIND, "w")):
+            for info in store.ls(kind=kind):
+                entry = store.get(info.key, kind=kind)
+                store.put(info.key, {name: entry.tensors[name].astype(np.float32)}, kind=kind, meta=entry.meta)
+        with Encoded(model) as enc:
+            out = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        assert enc.rows == 6
+    assert out.dtype == torch.float16 and same(out.double(), ref.double()) <= TOLERANCE[torch.float16]
+
+
+def test_open_clips_positional_arguments_batches_and_device(vitb32, tmp_path):
+    model, tok = vitb32
+    ours = list(inspect.signature(zero_shot_classifier).parameters.values())
+    theirs = list(inspect.signature(build_zero_shot_classifier).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[:7]] == [(p.name, p.kind, p.default) for p in theirs]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[7:]) and "store" in [p.name for p in ours[7:]]
+    with PromptStore(tmp_path / "s") as store:
+        with Encoded(model) as enc:
+            out = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, 3, torch.device("cpu"), False, store=store)
+        assert enc.batches == [15, 15, 15, 5]  # 3 classes x 5 templates per forward pass, as open_clip
+        with pytest.raises(TypeError):
+            zero_shot_classifier(model, tok, CLASSES, TEMPLATES, 3, "cpu", False, store)  # store is keyword-only
+    assert out.device == torch.device("cpu") and same(out, build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES, 3,
+                                                                                     "cpu", False)) <= 1e-6
+    with PromptStore(tmp_path / "t") as store, Encoded(model) as enc:
+        out = zero_shot_classifier(model, tok, CLASSES, TEMPLATES, None, "cpu", store=store)
+        assert enc.batches == [50]  # None: every class in one forward pass, as open_clip
+    assert same(out, build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES, None)) <= 1e-6
+
+
+@pytest.mark.parametrize("args", [{"num_classes_per_batch": -1}, {"num_classes_per_batch": 2.5},
+                                  {"num_classes_per_batch": True}, {"device": "no-such-device"}])
+def test_bad_batch_or_device_fails_before_any_work(vitb32, tmp_path, args):
+    model, tok = vitb32
+    with PromptStore(tmp_path / "s") as store:
+        with Encoded(model) as enc, pytest.raises(InvalidInputError):
+            zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store, **args)
+        assert enc.rows == 0 and not store.ls()
+
+
+def test_use_tqdm_shows_a_bar(vitb32, tmp_path, capsys):
+    model, tok = vitb32
+    with PromptStore(tmp_path / "s") as store:
+        zero_shot_classifier(model, tok, CLASSES[:2], TEMPLATES[:2], store=store)
+        assert "encoding prompts" not in capsys.readouterr().err  # open_clip's default: no bar
+        zero_shot_classifier(model, tok, CLASSES[2:4], TEMPLATES[:2], use_tqdm=True, store=store)
+        assert "promptstore: encoding prompts" in capsys.readouterr().err
+
+
+def test_under_autocast_it_is_open_clips_build_and_nothing_is_stored(vitb32, tmp_path):
+    """Autocast makes the float32 tower give bfloat16 features: not what its weights say, so not what its keys name."""
+    model, tok = vitb32
+    with PromptStore(tmp_path / "s") as store:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])
+            with pytest.warns(PromptStoreWarning, match="autocast"):
+                out = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        assert ref.dtype == torch.bfloat16 and out.dtype == ref.dtype and torch.equal(out, ref)
+        assert not store.ls()
+        plain = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+    assert plain.dtype == torch.float32
+    assert same(plain, build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])) <= 1e-6
+
+
+def test_warm_classes_builds_a_classifier_in_whole_classes(tmp_path, capsys, monkeypatch):
+    """``promptstore warm-classes NAMES --templates ...``: --batch prompts per forward pass, rounded to whole classes."""
+    from promptstore.cli import main
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main() sets its own one-line format
+    (tmp_path / "names.txt").write_text("forklift\npallet\nladder\n")
+    (tmp_path / "templates.txt").write_text("a photo of a {}.\na {} in a warehouse.\n")
+    argv = ["--dir", str(tmp_path / "s"), "--json", "warm-classes", str(tmp_path / "names.txt"), "--templates",
+            str(tmp_path / "templates.txt"), "--encoder", "open_clip:ViT-B-32", "--batch", "5"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # random weights, said in a warning
+        assert main(argv) == 0
+        first = json.loads(capsys.readouterr().out)
+        assert main(argv) == 0
+        second = json.loads(capsys.readouterr().out)
+    assert (first["encoded"], first["shape"], second["encoded"]) == (6, [512, 3], 0)

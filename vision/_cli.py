@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -83,7 +84,9 @@ def _zero_shot(args: argparse.Namespace) -> tuple[Any, str, int]:
     model = open_clip.create_model(name, pretrained=weights or None).eval()
     t0 = time.perf_counter()
     with open_store(args, create=True) as store:
-        w = zero_shot_classifier(model, open_clip.get_tokenizer(name), names, templates, store=store, batch=args.batch)
+        # --batch prompts per forward pass, in whole classes (open_clip batches classes x templates)
+        w = zero_shot_classifier(model, open_clip.get_tokenizer(name), names, templates,
+                                 max(1, args.batch // len(templates)), use_tqdm=sys.stderr.isatty(), store=store)
         encoded = store.stats()["kinds"].get(TEXT_KIND, {}).get("misses", 0)  # each prompt not found was encoded
     seconds = time.perf_counter() - t0
     data = {"classes": len(names), "templates": len(templates), "prompts": len(names) * len(templates),
@@ -100,7 +103,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", required=True, help="open_clip:MobileCLIP2-B[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS]")
     p.add_argument("--detector", help="a YOLOE .yaml or .pt: also store its detector-ready embeddings")
     p.add_argument("--seed", type=int, default=0, help="seed of a random-init open_clip encoder")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="texts per encoder pass (with --templates: whole classes, "
+                                                         "at least one, of that many prompts)")
 
 
 def _run(args: argparse.Namespace) -> tuple[Any, str, int]:

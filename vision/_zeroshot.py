@@ -5,7 +5,8 @@
 
   ``vision.text``     each rendered prompt's normalised text feature (``Recipes.text``), keyed by
                       the tower's fingerprint and the prompt's text: a new class or a new template
-                      encodes only its own prompts;
+                      encodes only its own prompts. Kept in the dtype ``encode_text`` returns (half,
+                      bfloat16, float32, float64), so the class arithmetic is open_clip's, in that dtype;
   ``vision.zsclass``  each class's averaged, normalised weight vector, keyed by the tower and the
                       class's ordered prompts;
   ``vision.zsset``    the whole classifier, keyed by the tower and every class's ordered prompts,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from promptstore import PromptStore, digest_tensors
-from promptstore.errors import InvalidInputError, UnsupportedModelError
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
 
@@ -135,27 +137,37 @@ def _render(classnames: list[str], templates: Sequence[str | Callable[[str], str
 
 
 def zero_shot_classifier(model: Any, tokenizer: Any, classnames: Sequence[str],
-                         templates: Sequence[str | Callable[[str], str]], store: PromptStore | None = None, *,
-                         batch: int = 800, progress: bool | None = None) -> Any:
+                         templates: Sequence[str | Callable[[str], str]], num_classes_per_batch: int | None = 10,
+                         device: Any = "cpu", use_tqdm: bool = False, *, store: PromptStore | None = None) -> Any:
     """open_clip's ``build_zero_shot_classifier``, computing only the prompts the store lacks.
 
+    A drop-in: open_clip's arguments in open_clip's order, and its result (values, dtype,
+    device). The arithmetic is open_clip's, in the model's own dtype: each prompt's
+    ``encode_text(..., normalize=True)`` feature (stored in that dtype), then per class the
+    mean over templates and its normalisation, on ``device``.
+
     Args:
-        model: an open_clip model (``create_model``/``create_model_and_transforms``), in eval mode.
+        model: an open_clip model (``create_model``/``create_model_and_transforms``), in eval mode,
+            in any float dtype (``.half()``, ``.to(torch.bfloat16)``, ``.double()``).
         tokenizer: ``open_clip.get_tokenizer(name)``.
         classnames: distinct, visible class names (``check_names``), e.g. ``open_clip.IMAGENET_CLASSNAMES``.
         templates: format strings or callables, e.g. ``open_clip.OPENAI_IMAGENET_TEMPLATES``.
+        num_classes_per_batch: classes per forward pass (that many times ``len(templates)``
+            prompts; None or 0: all at once), as open_clip. Each finished batch is stored at
+            once, so an interrupted build resumes where it stopped.
+        device: where the tokens go (the model's device, as open_clip needs) and the result is.
+        use_tqdm: a progress bar over the prompts to encode.
         store: default ``PromptStore()``.
-        batch: prompts per forward pass. Each finished batch is stored at once, so an
-            interrupted build resumes where it stopped.
-        progress: a progress bar over the prompts to encode (None: only on a terminal).
 
     Returns:
-        A ``(dim, classes)`` float tensor on the model's device: the same as
-        ``build_zero_shot_classifier(model, tokenizer, classnames, templates)``, within 1e-6.
+        A ``(dim, classes)`` tensor in the dtype ``encode_text`` returns, on ``device``: what
+        ``build_zero_shot_classifier(model, tokenizer, classnames, templates, ...)`` returns,
+        within 1e-6 in float32 (rounding of the model's dtype in others). A full hit never
+        runs the text tower.
 
     Raises:
-        InvalidInputError: bad names or templates, before any work.
-        UnsupportedModelError: a tokenizer that cannot be fingerprinted.
+        InvalidInputError: bad names, templates, batch size or device, before any work.
+        UnsupportedModelError: a tokenizer that cannot be fingerprinted, a dtype that cannot be stored.
     """
     import torch
 
@@ -166,37 +178,113 @@ def zero_shot_classifier(model: Any, tokenizer: Any, classnames: Sequence[str],
     # "sunglasses". Each name is still checked like any class name.
     check_names(list(dict.fromkeys(names)))
     prompts = _render(names, templates)
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
-        raise InvalidInputError(f"batch must be a positive int, got {batch!r}")
+    if num_classes_per_batch is not None and (not isinstance(num_classes_per_batch, int)
+                                              or isinstance(num_classes_per_batch, bool) or num_classes_per_batch < 0):
+        raise InvalidInputError(f"num_classes_per_batch must be a positive int or None, got {num_classes_per_batch!r}")
+    per_forward = (num_classes_per_batch or len(names)) * len(templates)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"device must name a torch device, got {device!r}: {exc}") from None
     store = store if store is not None else PromptStore()
     recipes = Recipes(store, tower_fingerprint(model, tokenizer))
-    device = next(model.parameters()).device
+    dtype, dim = _feature_dtype(model), _dim(model)
     whole_key = store.key(CLASSIFIER_KIND, vocabulary_payload([p for row in prompts for p in row]
                                                               + [str(len(row)) for row in prompts]),
                           fingerprints=[recipes.efp])
-    whole = store.get(whole_key, kind=CLASSIFIER_KIND)
-    if whole is not None and whole.tensors.get("w", np.empty(0)).shape == (len(names), _dim(model)):
-        return torch.from_numpy(np.ascontiguousarray(whole.tensors["w"].T)).to(device)
+    whole = _tensor(store.get(whole_key, kind=CLASSIFIER_KIND), "w", (len(names), dim), dtype)
+    if whole is not None:
+        return whole.T.contiguous().to(device)
     class_keys = [store.key(CLASS_KIND, vocabulary_payload(row), fingerprints=[recipes.efp]) for row in prompts]
-    weights = np.empty((len(names), _dim(model)), np.float32)
+    weights = torch.empty((len(names), dim), dtype=dtype)
     todo = []
     for i, key in enumerate(class_keys):
-        entry = store.get(key, kind=CLASS_KIND)
-        if entry is not None and entry.tensors.get("w", np.empty(0)).shape == (weights.shape[1],):
-            weights[i] = entry.tensors["w"]
-        else:
+        w = _tensor(store.get(key, kind=CLASS_KIND), "w", (dim,), dtype)
+        if w is None:
             todo.append(i)
-    if todo:
-        feats = _features(model, tokenizer, recipes, sorted({p for i in todo for p in prompts[i]}), batch, progress)
-        for i in todo:
-            # open_clip's own arithmetic: mean over templates, then normalise, in torch float32.
-            row = torch.from_numpy(np.stack([feats[p] for p in prompts[i]]))
-            w = row.mean(dim=0)
-            w = (w / w.norm()).numpy()
+        else:
             weights[i] = w
-            store.put(class_keys[i], {"w": w}, kind=CLASS_KIND, meta={"name": names[i], "templates": str(len(prompts[i]))})
-    store.put(whole_key, {"w": weights}, kind=CLASSIFIER_KIND, meta={"classes": str(len(names))})
-    return torch.from_numpy(np.ascontiguousarray(weights.T)).to(device)
+    if todo:
+        try:
+            feats = _features(model, tokenizer, recipes, sorted({p for i in todo for p in prompts[i]}), per_forward,
+                              use_tqdm, device, dtype, dim)
+        except _NotAsKeyed as exc:
+            # Nothing of this call is stored, and none of the store's entries is mixed in:
+            # open_clip's own build, in whatever the tower does now.
+            from open_clip import build_zero_shot_classifier
+
+            warnings.warn(f"the text tower gives {exc} features, not the {dtype} {dim}-d its weights say (autocast?): "
+                          "built with open_clip, nothing stored", PromptStoreWarning, stacklevel=2)
+            return build_zero_shot_classifier(model, tokenizer, names, list(templates), num_classes_per_batch,
+                                              device, use_tqdm)
+        # open_clip's own arithmetic, in the model's dtype on its device: (classes, templates, dim)
+        # -> mean over templates -> divide by the norm.
+        rows = torch.stack([torch.stack([feats[p] for p in prompts[i]]) for i in todo]).to(device)
+        mean = rows.mean(dim=1)
+        mean = (mean / mean.norm(dim=1, keepdim=True)).cpu()
+        for j, i in enumerate(todo):
+            weights[i] = mean[j]
+            store.put(class_keys[i], {"w": _storable(mean[j])}, kind=CLASS_KIND,
+                      meta={"name": names[i], "templates": str(len(prompts[i]))})
+    store.put(whole_key, {"w": _storable(weights)}, kind=CLASSIFIER_KIND, meta={"classes": str(len(names))})
+    return weights.T.contiguous().to(device)
+
+
+# torch dtype -> how the store keeps it (safetensors name); bfloat16 travels as its raw bits.
+_STORED = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def _feature_dtype(model: Any) -> Any:
+    """The dtype ``encode_text`` returns: its last step's, the text projection (else the text tower's).
+
+    Read off the weights, so a full hit knows it without running the tower; entries of another
+    dtype (an older release kept float32 for every model) are misses.
+
+    Raises:
+        UnsupportedModelError: a dtype the store cannot keep.
+    """
+    import torch
+
+    dtype = None
+    for owner in (model, getattr(model, "text", None)):
+        for attr in ("text_projection", "proj"):
+            proj = getattr(owner, attr, None) if owner is not None else None
+            if isinstance(proj, torch.Tensor):
+                dtype = proj.dtype
+            elif isinstance(proj, torch.nn.Module):
+                dtype = next((t.dtype for t in reversed(list(proj.parameters())) if t.is_floating_point()), None)
+            if dtype is not None:
+                break
+        if dtype is not None:
+            break
+    if dtype is None:
+        dtype = next((t.dtype for n, t in model.named_parameters() if not n.startswith("visual.") and t.is_floating_point()),
+                     torch.float32)
+    if str(dtype).removeprefix("torch.") not in _STORED:
+        raise UnsupportedModelError(f"zero_shot_classifier keeps text features in {sorted(_STORED)}, not {dtype}")
+    return dtype
+
+
+def _storable(t: Any) -> Any:
+    """A CPU tensor as the store takes it, dtype kept (bfloat16 as its raw bits)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), "BF16"
+    return t.numpy()
+
+
+def _tensor(entry: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An entry's tensor as a torch tensor of ``dtype`` and ``shape``, or None (a miss)."""
+    import torch
+
+    if entry is None or name not in entry.tensors or entry.tensors[name].shape != shape:
+        return None
+    if entry.dtypes.get(name) != _STORED[str(dtype).removeprefix("torch.")]:
+        return None
+    arr = np.array(entry.tensors[name])  # a private, writable copy of the cache's read-only view
+    return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == torch.bfloat16 else torch.from_numpy(arr)
 
 
 def _dim(model: Any) -> int:
@@ -213,33 +301,40 @@ def _dim(model: Any) -> int:
     return int(out)
 
 
-def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], batch: int,
-              progress: bool | None) -> dict[str, np.ndarray]:
-    """Each prompt's normalised feature: from the store, or encoded in batches stored as they finish."""
+def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], batch: int, use_tqdm: bool,
+              device: Any, dtype: Any, dim: int) -> dict[str, Any]:
+    """Each prompt's normalised feature (a CPU tensor of ``dtype``): from the store, or encoded
+    in batches stored as they finish."""
     import torch
 
     store = recipes.store
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     missing = []
     for t in texts:
-        entry = store.get(recipes.text(t), kind=TEXT_KIND)
-        if entry is not None and entry.tensors.get("text") is not None and entry.tensors["text"].ndim == 1:
-            out[t] = entry.tensors["text"]
-        else:
+        feat = _tensor(store.get(recipes.text(t), kind=TEXT_KIND), "text", (dim,), dtype)
+        if feat is None:
             missing.append(t)
-    device = next(model.parameters()).device
+        else:
+            out[t] = feat
     bar = tqdm(total=len(missing), desc="promptstore: encoding prompts", unit="prompt", leave=False,
-               disable=(not progress) if progress is not None else None)
+               disable=not use_tqdm)
     with torch.no_grad():
         for lo in range(0, len(missing), batch):
             part = missing[lo : lo + batch]
             t0 = time.perf_counter()
-            feats = model.encode_text(tokenizer(part).to(device), normalize=True).float().cpu().numpy()
+            feats = model.encode_text(tokenizer(part).to(device), normalize=True).cpu()
             each = (time.perf_counter() - t0) / len(part)
+            if feats.dtype != dtype or feats.shape[1:] != (dim,):
+                bar.close()
+                raise _NotAsKeyed(f"{feats.dtype} {tuple(feats.shape[1:])}")
             for text, f in zip(part, feats, strict=True):
-                store.put(recipes.text(text), {"text": f}, kind=TEXT_KIND, cost_s=each,
+                store.put(recipes.text(text), {"text": _storable(f)}, kind=TEXT_KIND, cost_s=each,
                           meta={"name": text, "encoder": recipes.efp})
                 out[text] = f
             bar.update(len(part))
     bar.close()
     return out
+
+
+class _NotAsKeyed(Exception):
+    """The tower's features are not what the weights say (another dtype: autocast; another width)."""
