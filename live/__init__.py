@@ -32,7 +32,7 @@ from ._modules import active_dropout, walk_tree
 from ._tokenizers import TOKENIZER_IGNORED
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["Identity", "module_identity", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
+__all__ = ["Identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
 
 
 # module -> {(entries, skip): (class, reads, structure digest, tensors)}: the last full description
@@ -77,7 +77,22 @@ def _torch() -> Any:
 
 
 def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str = "", what: str = "") -> Identity:
-    """What ``module`` (and every submodule outside ``skip``) computes with, now.
+    """What ``module`` computes with, now: :func:`module_structure` and the digest of every tensor of its state.
+
+    Raises:
+        UnsupportedModelError: something on the path cannot be named exactly.
+    """
+    structure, tensors = module_structure(module, entries=entries, skip=skip, what=what)
+    # Tensor bytes are read on every call (digest_tensors proves file-mapped pages unchanged instead).
+    return Identity(structure, digest_tensors("live", tensors))
+
+
+def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str = "",
+                     what: str = "") -> tuple[str, list[tuple[str, Any]]]:
+    """Everything ``module`` (and every submodule outside ``skip``) computes with but tensor bytes, now.
+
+    Returns ``(structure digest, the named tensors to digest)``: what the identity rests on
+    apart from the weights' bytes, and the tensors themselves (read, not yet hashed).
 
     Args:
         module: a ``torch.nn.Module``.
@@ -107,8 +122,7 @@ def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), ski
         structure = xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
         tensors = walk.tensors
         memos[(entries, skip)] = (type(module), walk.reads, structure, tensors)
-    # Tensor bytes are read on every call (digest_tensors proves file-mapped pages unchanged instead).
-    return Identity(structure, digest_tensors("live", tensors))
+    return structure, tensors
 
 
 def describe_lines(module: Any, entries: tuple[str, ...] = ("forward",), skip: str = "") -> list[str]:
@@ -139,6 +153,7 @@ def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
     walk.root = id(tokenizer)
     try:
         walk.value(tokenizer, what)
+        walk.finish()
     except Unidentifiable as exc:
         raise UnsupportedModelError(f"cannot identify the {what} ({exc.path}: {exc.what})") from None
     out = "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))

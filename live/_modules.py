@@ -198,6 +198,7 @@ def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), 
     """The whole identity of a module tree (see the module docstring)."""
     walk_module(walk, module, "", entries=entries, skip=skip)
     global_hooks(walk)
+    walk.finish()
 
 
 def active_dropout(module: Any, skip: str = "") -> str | None:

@@ -188,12 +188,13 @@ class _CodeMemo:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._known: dict[int, tuple[types.CodeType, str, tuple[str, ...]]] = {}
+        self._known: dict[int, tuple[types.CodeType, str, tuple[str, ...], tuple[str, ...]]] = {}
 
-    def get(self, code: types.CodeType) -> tuple[str, tuple[str, ...]]:
+    def get(self, code: types.CodeType) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """(digest, names looked up, string constants) of a code object and the code nested in it."""
         hit = self._known.get(id(code))
         if hit is not None and hit[0] is code:
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
         body: list[str] = []
         consts: list[str] = []
         names: list[str] = []
@@ -204,8 +205,9 @@ class _CodeMemo:
             # process), its place in it, and the names and constants it uses (two lambdas on one
             # line differ by them): the same across Python versions, whose bytecode differs.
             body = [source, str(code.co_firstlineno)]
+        strings = tuple(dict.fromkeys(c for c in code_strings(code)))
         out = (xxhash.xxh3_128_hexdigest("\x00".join(body + consts + names).encode("utf-8", "surrogatepass")),
-               tuple(dict.fromkeys(names)))
+               tuple(dict.fromkeys(names)), strings)
         with self._lock:
             if len(self._known) > 65536:
                 self._known.clear()
@@ -222,6 +224,19 @@ class _CodeMemo:
                 self._describe(const, body, consts, names)
             else:
                 consts.append(f"{type(const).__name__}:{const!r}")
+
+
+def code_strings(code: types.CodeType) -> list[str]:
+    """Every string constant of a code object and the code nested in it."""
+    out = []
+    for const in code.co_consts:
+        if isinstance(const, str):
+            out.append(const)
+        elif isinstance(const, types.CodeType):
+            out += code_strings(const)
+        elif isinstance(const, (tuple, frozenset)):
+            out += [c for c in const if isinstance(c, str)]
+    return out
 
 
 def _source_digest(filename: str) -> str | None:
@@ -250,6 +265,8 @@ class Walk:
         self.modules: dict[int, str] = {}  # id(module) -> its path in the tree being walked
         self.ignore: frozenset[str] = frozenset()  # object fields that record history, not state
         self.root = 0  # id of the object the walk describes
+        self.strings: set[str] = set()  # every string in the state and in the code's constants
+        self._registries: list[tuple[Any, str, int]] = []
         # Every read the description rests on, to re-check cheaply on the next call (Reads).
         self.reads = Reads()
 
@@ -286,6 +303,15 @@ class Walk:
         self.emit(f"tensor:{len(self.tensors)}")
         self.tensors.append((path, t))  # the object itself: .data may be replaced, so detached when digested
 
+    def finish(self) -> None:
+        """Describe the registries the code named, once every string of state and code is known."""
+        done = 0
+        while done < len(self._registries):
+            v, path, depth = self._registries[done]
+            done += 1
+            self.emit(f"registry-entries:{done - 1}")
+            self._mapping(v, path, depth, state=False)
+
     # -- values -----------------------------------------------------------------------------
     def value(self, v: Any, path: str, depth: int = 0) -> None:
         """Describe a value in state mode: everything that could change what uses it."""
@@ -293,6 +319,8 @@ class Walk:
         if depth > 40:
             raise Unidentifiable(path, "nested too deeply to describe")
         if isinstance(v, _PRIMITIVES):
+            if isinstance(v, str):
+                self.strings.add(v)
             self.emit(f"{type(v).__name__}:{v!r}")
         elif isinstance(v, enum.Enum):
             self.emit(f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}")
@@ -386,6 +414,12 @@ class Walk:
             if not isinstance(k, (str, int, float, bool, type(None), tuple, enum.Enum)):
                 raise Unidentifiable(path, f"a mapping keyed by {type(k).__name__}")
             keyed.append((repr(k), x))
+        if not state:
+            # A registry is read under keys that come from the state (config._attn_implementation)
+            # or from the code (ACT2FN["gelu"]): only those entries can be what runs. Others
+            # (another library registering its kernels at import) leave the identity as it is.
+            keyed = [(k, x) for (k, x), (raw, _) in zip(keyed, items, strict=True)
+                     if not isinstance(raw, str) or raw in self.strings]
         keyed.sort(key=lambda kx: kx[0])
         self.emit(f"map:{type(v).__module__}.{type(v).__qualname__}[{len(keyed)}")
         for k, x in keyed:
@@ -471,7 +505,8 @@ class Walk:
             raise Unidentifiable(path, f"{type(fn).__name__} is not callable")
 
     def _function(self, fn: types.FunctionType, path: str, depth: int, shallow: bool) -> None:
-        digest, names = CODE_MEMO.get(fn.__code__)
+        digest, names, strings = CODE_MEMO.get(fn.__code__)
+        self.strings.update(strings)
         self.emit(f"fn:{fn.__module__}.{fn.__qualname__}:{digest}")
         if self._seen(fn):
             return
@@ -528,8 +563,10 @@ class Walk:
         elif isinstance(v, Mapping) and not isinstance(v, types.MappingProxyType):
             if self._seen(v):
                 return
-            # A registry (ALL_ATTENTION_FUNCTIONS, ACT2FN, ROPE_INIT_FUNCTIONS): what is registered now.
-            self._mapping(v, path, depth, state=False)
+            # A registry (ALL_ATTENTION_FUNCTIONS, ACT2FN, ROPE_INIT_FUNCTIONS): described at the end
+            # (finish), under the keys that can be looked up in it.
+            self.emit(f"registry:{type(v).__module__}.{type(v).__qualname__}:{len(self._registries)}")
+            self._registries.append((v, path, depth))
         else:
             self.emit(f"object:{type(v).__module__}.{type(v).__qualname__}")
 

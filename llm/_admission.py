@@ -17,7 +17,6 @@ from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 
 from ._buffers import kv_layers
-from ._fingerprint import architecture
 
 __all__ = ["CHECK_KIND", "check_structure", "checked_layout", "probe_model", "vocab_size"]
 
@@ -25,18 +24,21 @@ CHECK_KIND = "llm.check"  # a model architecture's verdict of probe_model, so a 
 
 
 def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[int, int, int, Any]:
-    """probe_model's verdict, from the store when this architecture passed it before.
+    """probe_model's verdict, from the store when this model structure passed it before.
 
-    The verdict depends on the model's code (class, config, attention implementation,
-    library versions), its dtype and device, never on the weights; the forward-free
-    checks still run every time. Its four forwards cost ~0.6 s on SmolLM2, which would
-    otherwise land on the first request of every fresh process.
+    The verdict depends on what the model computes with apart from its weights' values: its
+    live structure (class, config, settings, hooks, live code, attention implementation;
+    ``signature`` holds it with the dtypes, device and ambient torch state), never on the
+    weights. So any live change of those (a sliding window set on the config, a hook, patched
+    code) is checked again before the next request. The forward-free checks run every time.
+    The four forwards cost ~0.6 s on SmolLM2, which would otherwise land on the first request
+    of every fresh process.
     """
     import torch
     import transformers
 
     check_structure(model)  # the checks without a forward run every time
-    key = store.key(CHECK_KIND, fingerprints=[architecture(model), repr(signature),
+    key = store.key(CHECK_KIND, fingerprints=[repr(signature),
                                               f"transformers={transformers.__version__}",
                                               f"torch={torch.__version__}"])
     entry = store.get(key, kind=CHECK_KIND)

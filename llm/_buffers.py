@@ -49,7 +49,17 @@ class KVBuffers:
         return self._staging[:n]
 
     def allocate(self, layout: tuple[int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
-        """A (keys, values) pair of shape (layers, 1, kv heads, capacity, head dim) on ``device``."""
+        """A (keys, values) pair of shape (layers, 1, kv heads, capacity, head dim) on ``device``.
+
+        Always normal tensors, even when called under ``torch.inference_mode()``: a cache the
+        caller continues outside it is written in place (an inference tensor refuses that).
+        """
+        import torch
+
+        with torch.inference_mode(False):
+            return self._allocate(layout, device, capacity)
+
+    def _allocate(self, layout: tuple[int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
         import torch
 
         layers, heads, head_dim, dtype = layout
@@ -82,6 +92,13 @@ class KVBuffers:
 
 def make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     """A DynamicCache over the first ``n`` tokens of per-layer buffers, without copying them."""
+    import torch
+
+    with torch.inference_mode(False):  # normal views of normal buffers (see KVBuffers.allocate)
+        return _make_cache(buffers, n, config)
+
+
+def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     from transformers import DynamicCache
 
     full_k, full_v = buffers
@@ -143,6 +160,10 @@ def _reserved_layer_class() -> Any:
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             if not self.is_initialized or not self._in_place():
                 return super().update(key_states, value_states, *args, **kwargs)
+            with torch.inference_mode(False):  # our buffers stay normal tensors, whatever mode the caller is in
+                return self._write(key_states, value_states)
+
+        def _write(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
             n, m = self._n, key_states.shape[-2]
             if n + m > self._kbuf.shape[-2]:
                 cap = max(n + m, 2 * self._kbuf.shape[-2])

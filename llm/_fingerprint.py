@@ -11,23 +11,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from promptstore._live import ambient_identity, module_identity, tokenizer_identity
+from promptstore import digest_tensors
+from promptstore._live import ambient_identity, module_structure, tokenizer_identity
 
-__all__ = ["architecture", "model_fingerprint", "model_structure", "tokenizer_fingerprint", "ambient_fingerprint"]
-
-
-def model_structure(model: Any) -> str:
-    """Everything the model computes with except the weights' bytes: class, config, settings, hooks, code."""
-    return "model-structure:" + module_identity(model, what=type(model).__name__).structure
+__all__ = ["model_fingerprint", "model_structure", "tokenizer_fingerprint", "ambient_fingerprint"]
 
 
-def model_fingerprint(model: Any) -> str:
-    """The model's live identity: structure (see :func:`model_structure`) and every tensor of its state.
+def model_structure(model: Any) -> tuple[str, list[tuple[str, Any]]]:
+    """Everything the model computes with except the weights' bytes (class, config, settings, hooks,
+    code), and its tensors, to digest with :func:`model_fingerprint`.
 
     Raises:
         UnsupportedModelError: something on the forward path that cannot be named exactly.
     """
-    return f"model:{module_identity(model, what=type(model).__name__)}"
+    structure, tensors = module_structure(model, what=type(model).__name__)
+    return "model-structure:" + structure, tensors
+
+
+def model_fingerprint(model: Any, structure: tuple[str, list[tuple[str, Any]]] | None = None) -> str:
+    """The model's live identity: its structure (see :func:`model_structure`) and every tensor of its state.
+
+    Raises:
+        UnsupportedModelError: something on the forward path that cannot be named exactly.
+    """
+    name, tensors = structure if structure is not None else model_structure(model)
+    return f"model:{name}:{digest_tensors('live', tensors)}"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -38,8 +46,3 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def ambient_fingerprint() -> str:
     """The ambient torch state that changes a forward's numbers (autocast, matmul precision...)."""
     return ambient_identity()
-
-
-def architecture(model: Any) -> str:
-    """What decides the model check's verdict: everything but the weights (see :func:`model_structure`)."""
-    return model_structure(model)

@@ -29,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from promptstore import Entry, PromptStore, chain_keys
-from promptstore.errors import InvalidInputError, PromptStoreWarning
+from promptstore._live import autocast_active, refuse_random
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._admission import checked_layout, vocab_size
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, host_view, kv_layers, make_cache
 from ._counts import Counts
-from ._fingerprint import model_fingerprint, tokenizer_fingerprint
-from ._inputs import check_lengths, refuse_padding
+from ._fingerprint import ambient_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
+from ._inputs import check_generation, check_lengths, refuse_padding
 
 __all__ = ["PrefixCache", "KIND"]
 
@@ -92,7 +93,7 @@ class PrefixCache:
         # projection per prompt token.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._layout: tuple[Any, tuple[int, int, int, Any]] | None = None
-        self._tokenizer_fp: str | None = None
+        self._structure: tuple[str, list[tuple[str, Any]]] | None = None  # this request's live model structure
         self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
         self._total = Counts()
         self._last = Counts()
@@ -110,10 +111,10 @@ class PrefixCache:
     def _fingerprints(self) -> list[str]:
         layers, heads, head_dim, dtype = self._get_layout()
         stored = self.kv_dtype or str(dtype).replace("torch.", "")
-        if self._tokenizer_fp is None:
-            self._tokenizer_fp = tokenizer_fingerprint(self.tokenizer)
-        return [model_fingerprint(self.model), self._tokenizer_fp,
-                f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
+        # Read on every request (microseconds when unchanged): a tokenizer edited in place
+        # (add_tokens, another chat template) is another key at once.
+        return [model_fingerprint(self.model, self._structure), tokenizer_fingerprint(self.tokenizer),
+                ambient_fingerprint(), f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
 
     def _root_key(self) -> bytes:
         # Hashes every weight (tens of ms): callers take it once per request.
@@ -126,11 +127,25 @@ class PrefixCache:
         return self._layout[1]
 
     def _refresh_layout(self) -> None:
-        """Re-derive the layout if the model's dtype or device moved (``.half()``, ``.to()``).
+        """Check the model as it is now, and re-derive the layout whenever its live identity moved.
 
-        Once per request: it walks every parameter, so the per-block paths use the result.
+        Once per request. Refuses, before anything is looked up or stored: active dropout or
+        batch norm in training mode (random outputs must never be frozen into a cache) and
+        autocast (its KV mixes dtypes). The layout is derived again, through the model check,
+        whenever anything but the weights' values changed: dtype or device (``.half()``,
+        ``.to()``), config (a sliding window set live), settings, hooks, code, ambient state.
         """
-        signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device))
+        import torch
+
+        refuse_random(self.model, what=type(self.model).__name__)
+        cast = autocast_active(torch, self.model.device.type)
+        if cast is not None:
+            raise UnsupportedModelError(f"PrefixCache under torch.autocast ({cast}): its KV mixes dtypes (autocast "
+                                        "keys, full-precision values), so no stored block could be served; call it "
+                                        "outside autocast, or convert the model (model.to(dtype))")
+        self._structure = model_structure(self.model)
+        signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device),
+                     self._structure[0], ambient_fingerprint())
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))
 
@@ -493,15 +508,20 @@ class PrefixCache:
             turn of a conversation finds both.
 
         Raises:
-            InvalidInputError: a bad prompt, a padded batch, or several sequences.
+            InvalidInputError: a bad prompt, a padded batch, or generation settings PrefixCache
+                cannot serve (beams, several sequences, another cache implementation,
+                assisted or contrastive decoding), from kwargs, a passed ``generation_config``
+                or the model's own.
+            UnsupportedModelError: the model as it is now cannot be served (see the class).
         """
         import torch
 
         ids = self._prompt_ids(prompt)
         refuse_padding(generate_kwargs.pop("attention_mask", None))
-        if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
-            raise InvalidInputError("PrefixCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
-        check_lengths(generate_kwargs, len(ids))  # before any lookup or forward
+        # Resolved as model.generate resolves them (its generation_config, a passed one, kwargs),
+        # then checked, before any lookup or forward.
+        check_generation(self.model, generate_kwargs)
+        check_lengths(generate_kwargs, len(ids))
         self._begin(len(ids))
         cache, n_cached = self._lookup(ids)
         stop = len(ids) - 1

@@ -18,6 +18,7 @@ from promptstore.errors import InvalidInputError, ModelUnavailableError
 from promptstore.llm import PrefixCache, load_model
 
 from conftest import run_python
+from counting import Counting
 
 ATOL = 1e-4
 
@@ -32,7 +33,9 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    TokenCounter(model)  # counted from the start: the counting hook is part of the model's identity
+    return model
 
 
 @pytest.fixture
@@ -58,15 +61,20 @@ def greedy(model, ids, n=32) -> list[int]:
     return out[0].tolist()
 
 
-class TokenCounter:
-    """Counts the token positions the model actually runs (a hook on its embedding layer)."""
+class TokenCounter(Counting):
+    """Counts the token positions the model actually runs (a hook on its embedding layer, tests/counting.py)."""
 
     def __init__(self, model) -> None:
-        self.n = 0
-        self.handle = model.get_input_embeddings().register_forward_hook(self._hook)
+        super().__init__(model.get_input_embeddings())
 
-    def _hook(self, module, args, output) -> None:
-        self.n += args[0].numel()
+    @property
+    def n(self) -> int:
+        return self.tokens
+
+    @n.setter
+    def n(self, value: int) -> None:
+        assert value == 0
+        self.reset()
 
 
 def check_exact(model, tokenizer, store, prefix, suffix, block_tokens=16):

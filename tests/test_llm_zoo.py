@@ -20,6 +20,7 @@ from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
 from conftest import run_python
+from counting import Counting
 from llm_zoo import all_types, build, check_architecture, prompts, vocab_of
 
 # One of each family the checks tell apart: plain attention of several kinds, learned absolute
@@ -158,17 +159,15 @@ def test_gemma_with_a_zero_dim_buffer_is_fingerprinted(store):
 
 def test_the_model_check_runs_its_forwards_once_per_architecture(store):
     model, _ = build("llama")
+    runs = Counting(model.get_input_embeddings())  # before the first check: the hook is part of the model
     PrefixCache(model, None, store=store)
-    calls = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda *args: calls.append(1))
-    try:
-        PrefixCache(model, None, store=store)  # a new instance, as in a fresh process: the verdict is stored
-        assert calls == []
-        model.half()  # another dtype is another verdict
-        PrefixCache(model, None, store=store)
-        assert calls
-    finally:
-        hook.remove()
+    assert runs.rows
+    runs.reset()
+    PrefixCache(model, None, store=store)  # a new instance, as in a fresh process: the verdict is stored
+    assert runs.rows == 0
+    model.half()  # another dtype is another verdict
+    PrefixCache(model, None, store=store)
+    assert runs.rows
     refused, _ = build("mistral")
     for _ in range(2):  # a refusal is never stored: it is found again, and nothing is written
         with pytest.raises(UnsupportedModelError):
