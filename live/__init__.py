@@ -76,19 +76,20 @@ def _torch() -> Any:
     return torch
 
 
-def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str = "", what: str = "") -> Identity:
+def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "",
+                    ignore: tuple[str, ...] = (), what: str = "") -> Identity:
     """What ``module`` computes with, now: :func:`module_structure` and the digest of every tensor of its state.
 
     Raises:
         UnsupportedModelError: something on the path cannot be named exactly.
     """
-    structure, tensors = module_structure(module, entries=entries, skip=skip, what=what)
+    structure, tensors = module_structure(module, entries=entries, skip=skip, ignore=ignore, what=what)
     # Tensor bytes are read on every call (digest_tensors proves file-mapped pages unchanged instead).
     return Identity(structure, digest_tensors("live", tensors))
 
 
-def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str = "",
-                     what: str = "") -> tuple[str, list[tuple[str, Any]]]:
+def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "",
+                     ignore: tuple[str, ...] = (), what: str = "") -> tuple[str, list[tuple[str, Any]]]:
     """Everything ``module`` (and every submodule outside ``skip``) computes with but tensor bytes, now.
 
     Returns ``(structure digest, the named tensors to digest)``: what the identity rests on
@@ -97,7 +98,9 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
     Args:
         module: a ``torch.nn.Module``.
         entries: the methods a cached call enters through (``forward``; ``encode_text``...).
-        skip: a submodule path left out (an image tower that never sees text).
+        skip: submodule paths left out (an image tower that never sees text).
+        ignore: attributes of the root module the entry code provably never reads (YOLOE's
+            ``nc``, which set_classes itself sets; get_tpe does not read it).
         what: how errors name the module.
 
     Raises:
@@ -108,11 +111,12 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
     if memos is None:
         memos = {}
         _MEMO.set(module, memos)
-    memo = memos.get((entries, skip))
+    memo = memos.get((entries, skip, ignore))
     if memo is not None and memo[0] is type(module) and memo[1].same():
         structure, tensors = memo[2], memo[3]
     else:
         walk = Walk(torch)
+        walk.root_ignore = frozenset(ignore)
         walk.emit(f"torch={torch.__version__.split('+')[0]}")
         try:
             walk_tree(walk, module, entries=entries, skip=skip)
@@ -121,11 +125,11 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
                                         "a cached result could differ from a recompute") from None
         structure = xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
         tensors = walk.tensors
-        memos[(entries, skip)] = (type(module), walk.reads, structure, tensors)
+        memos[(entries, skip, ignore)] = (type(module), walk.reads, structure, tensors)
     return structure, tensors
 
 
-def describe_lines(module: Any, entries: tuple[str, ...] = ("forward",), skip: str = "") -> list[str]:
+def describe_lines(module: Any, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "") -> list[str]:
     """The text ``module_identity`` digests (for finding what changed between two calls)."""
     walk = Walk(_torch())
     walk_tree(walk, module, entries=entries, skip=skip)
@@ -161,7 +165,7 @@ def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
     return out
 
 
-def refuse_random(module: Any, skip: str = "", what: str = "") -> None:
+def refuse_random(module: Any, skip: str | tuple[str, ...] = "", what: str = "") -> None:
     """Refuse a module in training mode whose output is random or batch-dependent (dropout, batch norm).
 
     Such outputs must never be frozen into a cache: a later call would get one draw forever.

@@ -109,13 +109,21 @@ def global_hooks(walk: Walk) -> None:
             walk.callable(hook, f"torch.{name}[{i}]")
 
 
-def _tree(walk: Walk, module: Any, skip: str) -> list[tuple[str, Any]]:
+def skipped(name: str, skip: str | tuple[str, ...]) -> bool:
+    """Whether submodule ``name`` lies under one of the ``skip`` paths."""
+    for path in (skip,) if isinstance(skip, str) else skip:
+        if path and (name == path or name.startswith(path + ".")):
+            return True
+    return False
+
+
+def _tree(walk: Walk, module: Any, skip: str | tuple[str, ...]) -> list[tuple[str, Any]]:
     """Every module in the tree (shared ones once per place), with every read of the tree recorded."""
     out: list[tuple[str, Any]] = []
     todo = [("", module)]
     while todo:
         name, sub = todo.pop()
-        if skip and (name == skip or name.startswith(skip + ".")):
+        if skipped(name, skip):
             continue
         out.append((name, sub))
         children = walk.reads.mapping(sub.__dict__["_modules"])
@@ -141,7 +149,7 @@ def _script_module(walk: Walk, sub: Any, where: str) -> None:
 
 
 def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
-                entries: tuple[str, ...] = ("forward",), skip: str = "") -> None:
+                entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "") -> None:
     """Describe ``module`` and every submodule (outside ``skip``) into ``walk``."""
     torch = walk.torch
     reads = walk.reads
@@ -178,7 +186,7 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
         _state_extra(sub, where, walk)
         _hooks(sub, where, walk)
         for k in sorted(fields):
-            if k in _INTERNAL or k in IGNORED_ATTRIBUTES or k == "training":
+            if k in _INTERNAL or k in IGNORED_ATTRIBUTES or k == "training" or (not path and not name and k in walk.root_ignore):
                 continue
             v = fields[k]
             if isinstance(v, torch._C.ScriptObject):
@@ -194,14 +202,14 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
             walk.callable(fn, f"{cls.__qualname__}.{mname}", shallow=shallow_code)
 
 
-def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), skip: str = "") -> None:
+def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "") -> None:
     """The whole identity of a module tree (see the module docstring)."""
     walk_module(walk, module, "", entries=entries, skip=skip)
     global_hooks(walk)
     walk.finish()
 
 
-def active_dropout(module: Any, skip: str = "") -> str | None:
+def active_dropout(module: Any, skip: str | tuple[str, ...] = "") -> str | None:
     """Where a module in training mode would make the output random or batch-dependent, or None.
 
     Dropout layers with ``p > 0``, attention modules whose dropout rate is an attribute
@@ -210,7 +218,7 @@ def active_dropout(module: Any, skip: str = "") -> str | None:
     import torch
 
     for name, sub in module.named_modules():
-        if not sub.training or (skip and (name == skip or name.startswith(skip + "."))):
+        if not sub.training or skipped(name, skip):
             continue
         if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
             return f"{name or type(sub).__name__} (dropout p={sub.p})"

@@ -265,6 +265,7 @@ class Walk:
         self.modules: dict[int, str] = {}  # id(module) -> its path in the tree being walked
         self.ignore: frozenset[str] = frozenset()  # object fields that record history, not state
         self.root = 0  # id of the object the walk describes
+        self.root_ignore: frozenset[str] = frozenset()  # attributes of the root module left out
         self.strings: set[str] = set()  # every string in the state and in the code's constants
         self._registries: list[tuple[Any, str, int]] = []
         # Every read the description rests on, to re-check cheaply on the next call (Reads).

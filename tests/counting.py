@@ -16,6 +16,8 @@ from typing import Any
 class _Tally:
     rows = 0  # sequences (batch rows) that ran
     tokens = 0  # token positions that ran
+    batches: list[int] = []  # rows of each forward  # noqa: RUF012 - one tally for the whole suite
+    stop_after: int | None = None  # raise KeyboardInterrupt once this many forwards ran (an interrupted build)
 
 
 TALLY = _Tally()
@@ -26,6 +28,10 @@ def count_hook(module: Any, args: Any, output: Any) -> None:
     out = output[0] if isinstance(output, tuple) else output
     TALLY.rows += int(out.shape[0])
     TALLY.tokens += int(out.shape[0] * out.shape[1]) if out.ndim >= 3 else int(out.shape[0])
+    TALLY.batches.append(int(out.shape[0]))
+    if TALLY.stop_after is not None and len(TALLY.batches) >= TALLY.stop_after:
+        TALLY.stop_after = None
+        raise KeyboardInterrupt
 
 
 class Counting:
@@ -38,7 +44,15 @@ class Counting:
     def __init__(self, module: Any) -> None:
         if not any(h is count_hook for h in module._forward_hooks.values()):
             module.register_forward_hook(count_hook)
-        self._rows, self._tokens = TALLY.rows, TALLY.tokens
+        self._rows, self._tokens, self._batches = TALLY.rows, TALLY.tokens, len(TALLY.batches)
+
+    @property
+    def batches(self) -> list[int]:
+        return TALLY.batches[self._batches:]
+
+    def stop_after(self, forwards: int) -> None:
+        """Interrupt the ``forwards``-th forward from now (KeyboardInterrupt, as a user's Ctrl-C)."""
+        TALLY.stop_after = len(TALLY.batches) + forwards
 
     @property
     def rows(self) -> int:
@@ -49,7 +63,7 @@ class Counting:
         return TALLY.tokens - self._tokens
 
     def reset(self) -> None:
-        self._rows, self._tokens = TALLY.rows, TALLY.tokens
+        self._rows, self._tokens, self._batches = TALLY.rows, TALLY.tokens, len(TALLY.batches)
 
     def __enter__(self) -> Counting:
         return self

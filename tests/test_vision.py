@@ -369,7 +369,7 @@ def test_not_an_npz_at_all(store, tmp_path):
 
 def test_ultralytics_encoder_says_where_its_file_goes(tmp_path):
     enc = UltralyticsTextEncoder("mobileclip:blt")
-    assert enc.fingerprint == "ultralytics:mobileclip:blt:published:mobileclip_blt.ts" and not enc.loaded
+    assert enc.fingerprint.startswith("ultralytics:mobileclip:blt:published:mobileclip_blt.ts:ambient:") and not enc.loaded
     with pytest.raises(ModelUnavailableError, match="weights folder"):
         enc.encode(["forklift"])
     with pytest.raises(InvalidInputError):

@@ -19,6 +19,7 @@ from promptstore.vision import zero_shot_classifier
 from promptstore.vision._classes import TEXT_KIND
 
 from conftest import run_python
+from counting import Counting
 
 CLASSES = list(IMAGENET_CLASSNAMES[:10])
 TEMPLATES = list(OPENAI_IMAGENET_TEMPLATES[:5])
@@ -26,7 +27,9 @@ TEMPLATES = list(OPENAI_IMAGENET_TEMPLATES[:5])
 
 def clip(name: str = "ViT-B-32", seed: int = 0):
     torch.manual_seed(seed)
-    return open_clip.create_model(name, pretrained=None).eval(), open_clip.get_tokenizer(name)
+    model = open_clip.create_model(name, pretrained=None).eval()
+    Encoded(model)  # counted from the start: the counting hook is part of the tower's identity
+    return model, open_clip.get_tokenizer(name)
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +37,11 @@ def vitb32():
     return clip()
 
 
-class Encoded:
-    """Counts the prompts the text tower really runs (a hook on its token embedding)."""
+class Encoded(Counting):
+    """Counts the prompts the text tower really runs (a hook on its token embedding, tests/counting.py)."""
 
     def __init__(self, model) -> None:
-        self.rows, self.batches = 0, []
-        self.handle = model.token_embedding.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output) -> None:
-        self.rows += args[0].shape[0]
-        self.batches.append(args[0].shape[0])
-
-    def __enter__(self) -> Encoded:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
+        super().__init__(model.token_embedding)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,20 +123,11 @@ def test_an_image_tower_edit_does_not_change_the_text_side(vitb32, tmp_path):
 
 def test_an_interrupted_build_resumes_where_it_stopped(vitb32, tmp_path):
     model, tok = vitb32
-    batches = []
-
-    def stop_second(module, args, output):
-        batches.append(args[0].shape[0])
-        if len(batches) == 2:
-            raise KeyboardInterrupt
-
     with PromptStore(tmp_path / "s") as store:
-        handle = model.token_embedding.register_forward_hook(stop_second)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                zero_shot_classifier(model, tok, CLASSES, TEMPLATES, num_classes_per_batch=2, store=store)
-        finally:
-            handle.remove()
+        with Encoded(model) as first, pytest.raises(KeyboardInterrupt):
+            first.stop_after(2)
+            zero_shot_classifier(model, tok, CLASSES, TEMPLATES, num_classes_per_batch=2, store=store)
+        batches = first.batches
         assert batches == [10, 10]  # 2 classes x 5 templates per forward, as open_clip batches
         assert len(store.ls(kind=TEXT_KIND)) == 10  # the first batch was stored as it finished
         with Encoded(model) as enc:

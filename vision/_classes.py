@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from promptstore import PromptStore, digest_tensors, make_key
+from promptstore import PromptStore, make_key
 from promptstore.errors import InvalidInputError, ModelUnavailableError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
@@ -174,17 +174,6 @@ def _unwrap(model: Any) -> tuple[Any, Any, str]:
     raise InvalidInputError(f"expected an ultralytics YOLOE or YOLOWorld model, got {type(model).__name__}")
 
 
-def _digest_module(module: Any, label: str) -> str:
-    """A digest of a module's weights and buffers, computed on every call.
-
-    Never memoised on torch's version counters: edits through ``param.data`` (assignment,
-    in-place writes on it, ``.half()`` then ``.float()``) do not move them, and a memo served
-    the old head's embeddings (issue #10). YOLOE-11s's RepRTA head is 0.3 MB: ~0.1 ms.
-    """
-    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
-    return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}"
-
-
 class Recipes:
     """The keys of one (store, encoder, detector): every vision key is made here."""
 
@@ -268,16 +257,25 @@ def check_target(model: Any, encoder: TextEncoder | None) -> tuple[Any, Any, str
 def detector_fingerprint(model: Any) -> str:
     """What maps text features to this detector's class embeddings.
 
-    YOLOE: the head's RepRTA weights (``head.get_tpe``). YOLOWorld uses the raw text features.
+    YOLOE: ``head.get_tpe`` as it runs now (:mod:`promptstore._live`: RepRTA's weights, the
+    head's settings and hooks, the live code). YOLOWorld uses the raw text features.
+
+    Raises:
+        UnsupportedModelError: RepRTA in training mode with dropout, or state that cannot be named.
     """
     _, inner, kind = _unwrap(model)
     if kind == "world":
         return "yoloworld:raw-text-features"
-    import ultralytics
+    from promptstore._live import ambient_identity, module_identity, refuse_random
 
     head = inner.model[-1]
-    # The version names the code of get_tpe (RepRTA, then normalisation), the weights its parameters.
-    return _digest_module(head.reprta, f"yoloe-reprta:{type(head).__name__}:{head.embed}:ultralytics={ultralytics.__version__}")
+    # get_tpe as it runs now: the head's settings and hooks, the code get_tpe reaches (RepRTA,
+    # then normalisation) and RepRTA's every tensor; the head's detection branches never see text.
+    others = tuple(name for name in head._modules if name != "reprta")
+    refuse_random(head, skip=others, what="the YOLOE head's RepRTA")
+    # nc is the vocabulary's size, set by set_classes itself; get_tpe never reads it.
+    live = module_identity(head, entries=("get_tpe",), skip=others, ignore=("nc",), what="the YOLOE head")
+    return f"yoloe-head:{type(head).__name__}:{head.embed}:{live}:{ambient_identity()}"
 
 
 def default_encoder(model: Any) -> TextEncoder:

@@ -1,7 +1,7 @@
 """YOLOE visual prompts from the store: a reference image plus boxes, embedded once.
 
 The key covers the reference image's bytes, the prompt geometry, the inference size and
-a digest of the whole detector (backbone and the visual-prompt head), so a reference set
+the whole detector's live identity (backbone and the visual-prompt head), so a reference set
 is computed once and reused by every process, and never by another model.
 """
 
@@ -19,7 +19,7 @@ import xxhash
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
-from ._classes import _apply, _digest_module, _head_width, _unwrap
+from ._classes import _apply, _head_width, _unwrap
 
 __all__ = ["visual_pe", "VisualReport", "VISUAL_KIND"]
 
@@ -93,7 +93,7 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
     _head_width(inner, kind)  # prompt-free or fused heads are refused before any work
     image_fp = _image_digest(refer_image)
     prompt_fp, n_cls = _prompt_digest(visual_prompts)
-    detector = _digest_module(inner, f"yoloe-detector:{type(inner).__name__}")
+    detector = _detector_identity(inner)
     store = store if store is not None else PromptStore()
     # Fixed-width digests and an int, framed as fingerprints: nothing is joined by a separator.
     key = store.key(VISUAL_KIND, b"", fingerprints=[detector, image_fp, prompt_fp, f"imgsz={imgsz}"])
@@ -108,6 +108,16 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
               meta={"image": image_fp, "prompts": prompt_fp, "detector": detector})
     _apply(model, names, vpe)
     return VisualReport(n_cls, False, time.perf_counter() - t0)
+
+
+def _detector_identity(inner: Any) -> str:
+    """The whole detector as it runs now (backbone, visual-prompt head; :mod:`promptstore._live`)."""
+    from promptstore._live import ambient_identity, module_identity
+
+    # No dropout check: ultralytics' predictor puts the model in eval mode before it embeds.
+    # nc and names follow the classes last applied (by this call too): the embedding never reads them.
+    live = module_identity(inner, entries=("forward", "predict", "get_visual_pe", "get_vpe"), what="the YOLOE model")
+    return f"yoloe-detector:{type(inner).__name__}:{live}:{ambient_identity()}"
 
 
 def _compute(wrapper: Any, inner: Any, refer_image: Any, prompts: dict[str, Any], imgsz: int) -> np.ndarray:

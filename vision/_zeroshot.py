@@ -19,17 +19,15 @@ vocabulary and context, and the device type.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from promptstore import PromptStore, digest_tensors
+from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
@@ -39,84 +37,28 @@ __all__ = ["zero_shot_classifier", "CLASS_KIND", "CLASSIFIER_KIND"]
 CLASS_KIND, CLASSIFIER_KIND = "vision.zsclass", "vision.zsset"
 
 
-_VOCAB_FPS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-
-
-def _tokenizer_fingerprint(tokenizer: Any) -> str:
-    """What turns a prompt into token ids: the vocabulary, merges, context and specials.
-
-    The vocabulary's digest (0.2 s for open_clip's BPE) is remembered per tokenizer object:
-    open_clip builds it once and never changes it. The context length is read every call.
-    """
-    kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}:context={getattr(tokenizer, 'context_length', None)}"
-    try:
-        vocab = _VOCAB_FPS.get(tokenizer)
-    except TypeError:  # not weak-referenceable
-        vocab = None
-    if vocab is None:
-        vocab = _vocabulary_digest(tokenizer)
-        try:
-            _VOCAB_FPS[tokenizer] = vocab
-        except TypeError:
-            pass
-    return f"{kind}:{vocab}"
-
-
-def _clean_name(tokenizer: Any) -> str:
-    """The text cleaner's name (a function's repr holds its address, which differs per process)."""
-    fn = getattr(tokenizer, "clean_fn", None)
-    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-
-
-def _vocabulary_digest(tokenizer: Any) -> str:
-    import xxhash
-
-    if hasattr(tokenizer, "encoder") and hasattr(tokenizer, "bpe_ranks"):  # open_clip's SimpleTokenizer
-        state = json.dumps([sorted(tokenizer.encoder.items()), sorted((" ".join(k), v) for k, v in tokenizer.bpe_ranks.items()),
-                            getattr(tokenizer, "all_special_ids", None), _clean_name(tokenizer)])
-    elif hasattr(tokenizer, "backend_tokenizer"):  # a transformers tokenizer (OWL-ViT's CLIP tokenizer)
-        state = tokenizer.backend_tokenizer.to_str()
-    elif hasattr(getattr(tokenizer, "tokenizer", None), "backend_tokenizer"):  # open_clip's HFTokenizer
-        state = tokenizer.tokenizer.backend_tokenizer.to_str() + _clean_name(tokenizer)
-    else:
-        raise UnsupportedModelError(f"cannot fingerprint the tokenizer {type(tokenizer).__name__}: pass open_clip's "
-                                    "get_tokenizer(...) result")
-    return xxhash.xxh3_128_hexdigest(state.encode())
-
-
 def tower_fingerprint(model: Any, tokenizer: Any) -> str:
-    """Names what ``model.encode_text(tokenizer(texts), normalize=True)`` computes.
+    """Names what ``model.encode_text(tokenizer(texts), normalize=True)`` computes, as it runs now.
 
-    The image tower (``visual.*``) does not enter text features and is left out.
+    The text side's live identity (:mod:`promptstore._live`: every tensor, setting, hook and
+    the code ``encode_text`` reaches; the image tower ``visual`` never sees text and is left
+    out), the tokenizer's live options and tables (open_clip's SimpleTokenizer and
+    HFTokenizer, or any tokenizer whose state can be named), the ambient torch state
+    (autocast), the model class and the device type.
+
+    Raises:
+        InvalidInputError: not an open_clip model.
+        UnsupportedModelError: dropout active in training mode, or state that cannot be named.
     """
-    import open_clip
+    from promptstore._live import ambient_identity, module_identity, refuse_random, tokenizer_identity
 
     if not hasattr(model, "encode_text"):
         raise InvalidInputError(f"expected an open_clip model with encode_text, got {type(model).__name__}")
-    named = [(n, t) for n, t in list(model.named_parameters(remove_duplicate=False))
-             + list(model.named_buffers(remove_duplicate=False)) if not n.startswith("visual.")]
-    device = next((t.device.type for _, t in named), "cpu")
-    label = (f"open_clip-text:{type(model).__qualname__}:open_clip={open_clip.__version__}:device={device}:"
-             f"{module_settings(model, skip='visual')}")
-    return f"{label}:{digest_tensors(label, sorted(named, key=lambda kv: kv[0]))}:{_tokenizer_fingerprint(tokenizer)}"
-
-
-def module_settings(module: Any, skip: str = "") -> str:
-    """Every plain setting (numbers, strings, flags) of a module and its submodules, outside ``skip``.
-
-    Weights are not all that decides an output: open_clip's ``text_pool_type``, an attention
-    module's head count, dropout in training mode. A digest of them is part of a fingerprint.
-    """
-    import xxhash
-
-    plain = (bool, int, float, str, type(None))
-    rows = []
-    for name, sub in module.named_modules():
-        if skip and (name == skip or name.startswith(skip + ".")):
-            continue
-        settings = {k: v for k, v in vars(sub).items() if not k.startswith("_") and isinstance(v, plain)}
-        rows.append(f"{name}:{type(sub).__qualname__}:{sorted(settings.items())!r}")
-    return xxhash.xxh3_128_hexdigest("\n".join(rows).encode())
+    refuse_random(model, skip="visual", what="the open_clip text tower")
+    live = module_identity(model, entries=("encode_text",), skip="visual", what="the open_clip text tower")
+    device = next(model.parameters()).device.type
+    return (f"open_clip-text:{type(model).__qualname__}:device={device}:{live}:{tokenizer_identity(tokenizer)}:"
+            f"{ambient_identity()}")
 
 
 def _render(classnames: list[str], templates: Sequence[str | Callable[[str], str]]) -> list[list[str]]:
