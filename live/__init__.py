@@ -77,19 +77,20 @@ def _torch() -> Any:
 
 
 def module_identity(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "",
-                    ignore: tuple[str, ...] = (), what: str = "") -> Identity:
+                    ignore: tuple[str, ...] = (), what: str = "", random: bool = False) -> Identity:
     """What ``module`` computes with, now: :func:`module_structure` and the digest of every tensor of its state.
 
     Raises:
-        UnsupportedModelError: something on the path cannot be named exactly.
+        UnsupportedModelError: something on the path cannot be named exactly (or, unless
+            ``random``, dropout or batch norm active in training mode).
     """
-    structure, tensors = module_structure(module, entries=entries, skip=skip, ignore=ignore, what=what)
+    structure, tensors = module_structure(module, entries=entries, skip=skip, ignore=ignore, what=what, random=random)
     # Tensor bytes are read on every call (digest_tensors proves file-mapped pages unchanged instead).
     return Identity(structure, digest_tensors("live", tensors))
 
 
 def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "",
-                     ignore: tuple[str, ...] = (), what: str = "") -> tuple[str, list[tuple[str, Any]]]:
+                     ignore: tuple[str, ...] = (), what: str = "", random: bool = False) -> tuple[str, list[tuple[str, Any]]]:
     """Everything ``module`` (and every submodule outside ``skip``) computes with but tensor bytes, now.
 
     Returns ``(structure digest, the named tensors to digest)``: what the identity rests on
@@ -102,9 +103,12 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
         ignore: attributes of the root module the entry code provably never reads (YOLOE's
             ``nc``, which set_classes itself sets; get_tpe does not read it).
         what: how errors name the module.
+        random: accept active dropout or batch norm in training mode (the caller makes sure
+            nothing random is stored, e.g. because the computation runs in eval mode anyway).
 
     Raises:
-        UnsupportedModelError: something on the path cannot be named exactly.
+        UnsupportedModelError: something on the path cannot be named exactly; unless
+            ``random``, dropout or batch norm active in training mode (see :func:`refuse_random`).
     """
     torch = _torch()
     memos = _MEMO.get(module)
@@ -113,7 +117,7 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
         _MEMO.set(module, memos)
     memo = memos.get((entries, skip, ignore))
     if memo is not None and memo[0] is type(module) and memo[1].same():
-        structure, tensors = memo[2], memo[3]
+        structure, tensors, noisy = memo[2], memo[3], memo[4]
     else:
         walk = Walk(torch)
         walk.root_ignore = frozenset(ignore)
@@ -125,7 +129,13 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
                                         "a cached result could differ from a recompute") from None
         structure = xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
         tensors = walk.tensors
-        memos[(entries, skip, ignore)] = (type(module), walk.reads, structure, tensors)
+        # Training flags and dropout rates live in the modules' dicts the reads cover: the
+        # verdict holds as long as they do.
+        noisy = active_dropout(module, skip=skip)
+        memos[(entries, skip, ignore)] = (type(module), walk.reads, structure, tensors, noisy)
+    if noisy is not None and not random:
+        raise UnsupportedModelError(f"{what or type(module).__name__} is in training mode with {noisy}: its outputs "
+                                    "are random, and a cache would freeze one draw; call .eval() first")
     return structure, tensors
 
 
@@ -173,7 +183,4 @@ def refuse_random(module: Any, skip: str | tuple[str, ...] = "", what: str = "")
     Raises:
         UnsupportedModelError: naming the first such module; call ``model.eval()``.
     """
-    where = active_dropout(module, skip=skip)
-    if where is not None:
-        raise UnsupportedModelError(f"{what or type(module).__name__} is in training mode with {where}: its outputs "
-                                    "are random, and a cache would freeze one draw; call .eval() first")
+    module_structure(module, skip=skip, what=what)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from promptstore import Entry, PromptStore, chain_keys
-from promptstore._live import autocast_active, refuse_random
+from promptstore._live import autocast_active
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._admission import checked_layout, vocab_size
@@ -137,14 +137,14 @@ class PrefixCache:
         """
         import torch
 
-        refuse_random(self.model, what=type(self.model).__name__)
         cast = autocast_active(torch, self.model.device.type)
         if cast is not None:
             raise UnsupportedModelError(f"PrefixCache under torch.autocast ({cast}): its KV mixes dtypes (autocast "
                                         "keys, full-precision values), so no stored block could be served; call it "
                                         "outside autocast, or convert the model (model.to(dtype))")
         self._structure = model_structure(self.model)
-        signature = (tuple(sorted({str(p.dtype) for p in self.model.parameters()})), str(self.model.device),
+        # Dtypes read from the tensors themselves: .half() keeps every Parameter object.
+        signature = (tuple(sorted({str(t.dtype) for _, t in self._structure[1]})), str(self.model.device),
                      self._structure[0], ambient_fingerprint())
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))

@@ -38,6 +38,8 @@ __all__ = ["file_digest", "digest_tensors", "digest_memo_path"]
 # content we hashed (timestamps are coarse): such digests are used but never remembered.
 _RACY_S = 2.0
 _MAPPED_MIN_BYTES = 1 << 16  # smaller tensors are hashed: cheaper than looking at their pages
+_PROOF_MIN_TOTAL = 64 << 20  # below this many candidate bytes, hashing them (~4 ms) beats reading the maps
+_KNOWN: Any = ("known",)  # a todo item whose digest was recalled
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
@@ -341,7 +343,7 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
     h = xxhash.xxh3_128()
     _frame(h, label.encode())
     seen: dict[Any, str] = {}
-    todo: list[tuple[int, np.ndarray, tuple[Identity, int] | None]] = []
+    todo: list[tuple[int, Any, Any]] = []  # (field slot, bytes, file range or None)
     fields: list[bytes] = []
     on_device: list[tuple[int, Any]] = []
     pages: _Pages | None = None
@@ -358,17 +360,23 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
                 on_device.append((len(fields), data.sums))
                 fields.append(b"")  # filled in below, after one copy of every tensor's sums
                 continue
-            where = None
-            if data.size >= _MAPPED_MIN_BYTES and sys.platform.startswith("linux") and "@device" not in dtype:
-                if pages is None:
-                    pages = _Pages()
+            todo.append((len(fields), data, None))
+            fields.append(b"")  # its digest, filled in below
+        # The page proof reads /proc/self/maps (~5 ms in a process holding torch): worth it only
+        # when it can spare hashing more bytes than that costs (a YOLOE head's 1 MB is hashed).
+        mapped = [i for i, (_, data, _) in enumerate(todo) if data.size >= _MAPPED_MIN_BYTES]
+        if sys.platform.startswith("linux") and sum(todo[i][1].size for i in mapped) >= _PROOF_MIN_TOTAL:
+            pages = _Pages()
+            for i in mapped:
+                slot, data, _ = todo[i]
                 where = pages.file_range(data.__array_interface__["data"][0], data.size)
-            known = _memo.get(where[0], where[1], data.size) if where is not None else None
-            if known is not None:
-                fields.append(known)
-            else:
-                todo.append((len(fields), data, where))
-                fields.append(b"")  # its digest, filled in below
+                known = _memo.get(where[0], where[1], data.size) if where is not None else None
+                if known is not None:
+                    fields[slot] = known
+                    todo[i] = (slot, data, _KNOWN)
+                else:
+                    todo[i] = (slot, data, where)
+            todo = [item for item in todo if item[2] is not _KNOWN]
     finally:
         if pages is not None:
             pages.close()

@@ -14,9 +14,17 @@ from promptstore import digest_tensors
 from conftest import run_python
 
 
+@pytest.fixture(autouse=True)
+def _page_proof_for_small_files(monkeypatch):
+    """These tests' files are small: the page proof applies to them as to a real model's weights."""
+    monkeypatch.setattr(digest, "_PROOF_MIN_TOTAL", 0)
+
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 5000), where=st.data(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16,
                                                                        torch.int8, torch.float64]))
+
 def test_one_element_changed_anywhere_changes_both_digests(n, where, dtype):
     t = (torch.randn(n) * 10).to(dtype)
     i = where.draw(st.integers(0, n - 1))
@@ -102,6 +110,7 @@ def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file)
     code = f"""
         import numpy as np, torch
         import promptstore._digest as digest
+        digest._PROOF_MIN_TOTAL = 0  # a small file: use the page proof anyway
         hashed = []
         real = digest._hash_bytes
         digest._hash_bytes = lambda data: (hashed.append(data.size), real(data))[1]

@@ -266,13 +266,12 @@ def detector_fingerprint(model: Any) -> str:
     _, inner, kind = _unwrap(model)
     if kind == "world":
         return "yoloworld:raw-text-features"
-    from promptstore._live import ambient_identity, module_identity, refuse_random
+    from promptstore._live import ambient_identity, module_identity
 
     head = inner.model[-1]
     # get_tpe as it runs now: the head's settings and hooks, the code get_tpe reaches (RepRTA,
     # then normalisation) and RepRTA's every tensor; the head's detection branches never see text.
     others = tuple(name for name in head._modules if name != "reprta")
-    refuse_random(head, skip=others, what="the YOLOE head's RepRTA")
     # nc is the vocabulary's size, set by set_classes itself; get_tpe never reads it.
     live = module_identity(head, entries=("get_tpe",), skip=others, ignore=("nc",), what="the YOLOE head")
     return f"yoloe-head:{type(head).__name__}:{head.embed}:{live}:{ambient_identity()}"

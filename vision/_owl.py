@@ -45,13 +45,11 @@ def owl_query_fingerprint(model: Any, processor: Any) -> str:
         InvalidInputError: not an OWL detector and its processor.
         UnsupportedModelError: dropout active in training mode, or state that cannot be named.
     """
-    from promptstore._live import ambient_identity, module_identity, refuse_random, tokenizer_identity
+    from promptstore._live import ambient_identity, module_identity, tokenizer_identity
 
     base, family = _base(model)
     if getattr(processor, "tokenizer", None) is None:
         raise InvalidInputError("processor must be the detector's processor (Owlv2Processor / OwlViTProcessor)")
-    for part in (base.text_model, base.text_projection):
-        refuse_random(part, what=f"{family}'s text tower")
     device = next(model.parameters()).device.type
     text = module_identity(base.text_model, what=f"{family}'s text tower")
     projection = module_identity(base.text_projection, what=f"{family}'s text projection")

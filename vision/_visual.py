@@ -116,7 +116,7 @@ def _detector_identity(inner: Any) -> str:
 
     # No dropout check: ultralytics' predictor puts the model in eval mode before it embeds.
     # nc and names follow the classes last applied (by this call too): the embedding never reads them.
-    live = module_identity(inner, entries=("forward", "predict", "get_visual_pe", "get_vpe"), what="the YOLOE model")
+    live = module_identity(inner, entries=("forward", "predict", "get_visual_pe", "get_vpe"), what="the YOLOE model", random=True)
     return f"yoloe-detector:{type(inner).__name__}:{live}:{ambient_identity()}"
 
 
