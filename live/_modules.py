@@ -197,7 +197,8 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
             walk.value(v, f"{where}.{k}")
     for cls in classes:
         walk.emit(f"class-code:{cls.__module__}.{cls.__qualname__}")
-        for mname, fn in _entry_methods(walk, cls, entries):
+        # Every module runs through its forward; the root may be entered elsewhere too (encode_text).
+        for mname, fn in _entry_methods(walk, cls, tuple(dict.fromkeys(("forward", *entries)))):
             walk.emit(f"method:{mname}")
             walk.callable(fn, f"{cls.__qualname__}.{mname}", shallow=shallow_code)
 

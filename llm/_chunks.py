@@ -90,16 +90,29 @@ class ChunkCache:
             raise InvalidInputError(f"recompute must be a number from 0 to 1, got {recompute!r}")
         if select not in SELECTIONS:
             raise InvalidInputError(f"select must be one of {SELECTIONS}, got {select!r}")
-        impl = getattr(model.config, "_attn_implementation", None) or "eager"
-        if impl not in ("sdpa", "eager"):
-            raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
-                                        "tokens in place needs: load the model with attn_implementation='sdpa'")
         self.prefix = PrefixCache(model, tokenizer, store, block_tokens)
         self.model, self.tokenizer, self.store = model, tokenizer, self.prefix.store
         self.recompute, self.select = float(recompute), select
-        self._inv_freq = _rotary_frequencies(model)
-        _check_moves(model, self._inv_freq, self.prefix)
+        self._checked: Any = None  # the live model signature the move check last passed for
+        self._check_model()
         self._last, self._total = _Stats(), _Stats()
+
+    def _check_model(self) -> None:
+        """The checks of a model whose passages can move, again whenever its live identity moved.
+
+        PrefixCache re-derives its layout whenever anything but the weights' values changed
+        (config, settings, hooks, code); the attention kernel and the rotation check follow it.
+        """
+        signature = self.prefix._layout[0] if self.prefix._layout is not None else None
+        if signature is not None and signature == self._checked:
+            return
+        impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
+                                        "tokens in place needs: load the model with attn_implementation='sdpa'")
+        self._inv_freq = _rotary_frequencies(self.model)
+        _check_moves(self.model, self._inv_freq, self.prefix)
+        self._checked = signature
 
     # -- inputs ---------------------------------------------------------------------------
     def _segments(self, segments: Sequence[Any]) -> list[np.ndarray]:
@@ -141,6 +154,7 @@ class ChunkCache:
         anchor, passages = segs[0], segs[1:-1]
         n_anchor = len(anchor)
         pc._new_request()
+        self._check_model()
         need = len(ids) + RESERVE_TOKENS
         buffers = pc._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_exact = pc._lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop

@@ -1,7 +1,13 @@
-"""promptstore.vision: YOLOE class prompts from the store.
+"""promptstore.vision: what open-vocabulary vision models compute from text, from the store.
 
-No text encoder runs for a class name the store has seen, and none is even loaded when
-every name hits. Prompt sets move to and from ultralytics' own NPZ format.
+- ``set_classes``: YOLOE / YOLO-World class prompts (text features and detector-ready
+  embeddings); ``export_npz`` / ``import_npz`` move prompt sets to and from ultralytics' NPZ
+  format; ``visual_pe``: YOLOE visual prompts.
+- ``zero_shot_classifier``: open_clip's ``build_zero_shot_classifier``, same arguments and result.
+- ``owl_detect``: OWLv2 / OWL-ViT detection with each text query's embedding from the store.
+
+No text encoder runs for a text the store has seen, and none is even loaded when every text
+hits. Keys name the towers, heads and tokenizers as they run now (``promptstore._live``).
 
 >>> from ultralytics import YOLOE                                           # doctest: +SKIP
 >>> from promptstore.vision import set_classes, OpenCLIPTextEncoder         # doctest: +SKIP
