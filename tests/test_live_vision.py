@@ -22,7 +22,7 @@ from promptstore.vision import OpenCLIPTextEncoder, owl_detect, set_classes, zer
 from promptstore.vision._classes import TEXT_KIND
 
 from conftest import run_python
-from transparency import assert_same, assert_transparent
+from transparency import assert_transparent
 from vision_ref import applied_pe, detector, reference_pe
 
 CLASSES = list(IMAGENET_CLASSNAMES[:6])
