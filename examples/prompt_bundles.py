@@ -47,8 +47,11 @@ def main() -> None:
     plain.load_prompt_embeddings(work / "coco.npz")  # ultralytics alone reads it
     print(f"ultralytics loaded {len(plain.model.names)} classes from coco.npz")
     c = PromptStore(work / "machine-c")
-    import_npz(detector(), work / "coco.npz", store=c)
-    print(f"C: imported coco.npz; {len(c.ls(kind='vision.pe'))} class embeddings stored")
+    imported = import_npz(detector(), work / "coco.npz", store=c)
+    # Served only as that file's content, never as an encoder's text features for these names.
+    later = set_classes(detector(), names[:5], store=c, source=imported.source)
+    print(f"C: imported coco.npz as {imported.source[:16]}...; 5 of its classes set from it, "
+          f"encoder loaded: {later.encoder_loaded}")
 
 
 if __name__ == "__main__":
