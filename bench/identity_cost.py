@@ -75,12 +75,13 @@ def llm(repeats: int) -> dict[str, float]:
         from promptstore import digest_tensors
 
         out["weights_digest_ms"] = _median_ms(lambda: digest_tensors("live", structure[1]), repeats)
-        from promptstore.llm._fingerprint import ambient_fingerprint, tokenizer_fingerprint
+        from promptstore.llm._fingerprint import ambient_fingerprint, cache_code_fingerprint, tokenizer_fingerprint
 
-        def beyond_weights() -> None:  # the checks, the live structure, the tokenizer, ambient state
+        def beyond_weights() -> None:  # the checks, the live structure, the tokenizer, ambient state, cache code
             pc._refresh_layout()
             tokenizer_fingerprint(tokenizer)
             ambient_fingerprint()
+            cache_code_fingerprint()
 
         out["identity_beyond_weights_ms"] = _median_ms(beyond_weights, repeats)
 

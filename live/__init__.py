@@ -32,7 +32,7 @@ from ._modules import active_dropout, walk_tree
 from ._tokenizers import TOKENIZER_IGNORED
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["Identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
+__all__ = ["Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
 
 
 # module -> {(entries, skip): (class, reads, structure digest, tensors)}: the last full description
@@ -137,6 +137,41 @@ def module_structure(module: Any, *, entries: tuple[str, ...] = ("forward",), sk
         raise UnsupportedModelError(f"{what or type(module).__name__} is in training mode with {noisy}: its outputs "
                                     "are random, and a cache would freeze one draw; call .eval() first")
     return structure, tensors
+
+
+_CLASSES: dict[tuple[type, ...], tuple[Any, str]] = {}
+
+
+def classes_identity(*classes: type) -> str:
+    """The live code of whole classes a computation runs outside the module tree (transformers'
+    cache classes, whose ``update`` every attention layer calls): every method and plain class
+    value up each MRO, as bound now.
+
+    Raises:
+        UnsupportedModelError: something in them cannot be named.
+    """
+    memo = _CLASSES.get(classes)
+    if memo is not None and memo[0].same():
+        return memo[1]
+    walk = Walk(_torch())
+    try:
+        for cls in classes:
+            for klass in cls.__mro__:
+                if klass.__module__ == "builtins":
+                    break
+                walk.emit(f"class:{klass.__module__}.{klass.__qualname__}")
+                for name, attr in sorted(walk.reads.mapping(klass.__dict__), key=lambda kv: kv[0]):
+                    if name.startswith("__") and name.endswith("__") and name not in ("__init__", "__call__"):
+                        continue
+                    if callable(attr) or isinstance(attr, (staticmethod, classmethod, property)):
+                        walk.emit(f"method:{name}")
+                        walk.callable(attr, f"{klass.__qualname__}.{name}")
+        walk.finish()
+    except Unidentifiable as exc:
+        raise UnsupportedModelError(f"cannot identify {exc.path} ({exc.what})") from None
+    out = "classes:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+    _CLASSES[classes] = (walk.reads, out)
+    return out
 
 
 def describe_lines(module: Any, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "") -> list[str]:

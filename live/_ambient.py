@@ -44,11 +44,46 @@ def ambient_lines(torch: Any) -> list[str]:
             out.append(f"cuda.matmul.{name}:?")
     out.append(f"cudnn.allow_tf32:{getattr(getattr(backends, 'cudnn', None), 'allow_tf32', None)}")
     out.append(f"default_dtype:{torch.get_default_dtype()}")
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
+        fn = getattr(getattr(backends, "cuda", None), name, None)
+        out.append(f"sdp.{name}:{fn() if callable(fn) else None}")  # which attention kernel runs
+    out += _modes(torch)
+    return out
+
+
+def _modes(torch: Any) -> list[str]:
+    """Active torch function and dispatch modes, each described with its fields and code (a mode
+    that rounds matmuls to bfloat16 with a strength field is keyed by that field)."""
+    from ._walk import Unidentifiable, Walk
+
+    stacks = []
     try:
         from torch.overrides import _get_current_function_mode_stack
 
-        modes = [f"{type(m).__module__}.{type(m).__qualname__}" for m in _get_current_function_mode_stack()]
+        stacks.append(("function_modes", _get_current_function_mode_stack()))
     except (ImportError, RuntimeError):
-        modes = []
-    out.append(f"function_modes:{modes}")
+        pass
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        stacks.append(("dispatch_modes", _get_current_dispatch_mode_stack()))
+    except (ImportError, RuntimeError):
+        pass
+    out = []
+    for label, modes in stacks:
+        walk = Walk(torch)
+        for i, mode in enumerate(modes):
+            walk.emit(f"{label}[{i}]")
+            try:
+                walk.value(mode, f"{label}[{i}]")
+                for name in ("__torch_function__", "__torch_dispatch__"):
+                    fn = type(mode).__dict__.get(name)
+                    if fn is not None:
+                        walk.callable(fn, f"{label}[{i}].{name}")
+            except Unidentifiable as exc:
+                from promptstore.errors import UnsupportedModelError
+
+                raise UnsupportedModelError(f"an active torch mode ({type(mode).__qualname__}) holds state that "
+                                            f"cannot be named: {exc}") from None
+        out.append(f"{label}:{chr(10).join(walk.lines)}")
     return out

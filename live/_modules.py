@@ -13,6 +13,7 @@ Per module, in tree order:
 
 from __future__ import annotations
 
+import enum
 import types
 from typing import Any
 
@@ -37,34 +38,45 @@ IGNORED_ATTRIBUTES = frozenset({"warnings_issued", "generation_config", "_is_hf_
                                 "_hf_peft_config_loaded", "_is_stateful", "name_or_path"})
 
 
-def _entry_methods(walk: Walk, cls: type, entries: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """The class's methods a call can reach: the entries, then every method their code names."""
-    out: dict[str, Any] = {}
+_PLAIN_CLASS_VALUES = (bool, int, float, str, bytes, tuple, list, dict, frozenset, set, enum.Enum, type(None))
+
+
+def _entry_methods(walk: Walk, cls: type, entries: tuple[str, ...]) -> list[tuple[str, str, Any]]:
+    """What the class's code can reach on the class: ``(name, "method" | "value", attribute)``.
+
+    From the entries, every name their code uses is looked up on the class. Each definition
+    up the MRO counts (``super().forward()`` runs the parent's), not only the first; a plain
+    class attribute the code reads (``self.FACTOR``) is a value. nn.Module's own machinery is
+    named by torch's version.
+    """
+    out: dict[str, tuple[str, str, Any]] = {}
     todo = list(entries)
+    looked: set[str] = set()
     while todo:
         name = todo.pop()
-        if name in out:
+        if name in looked:
             continue
-        attr = owner = None
+        looked.add(name)
         for klass in cls.__mro__:
-            got = klass.__dict__.get(name, _MISSING)
-            if klass.__module__ not in ("builtins", "torch.nn.modules.module"):
-                walk.reads.item(klass.__dict__, name, got)  # a method patched onto a subclass later counts
-            if got is not _MISSING:
-                attr, owner = got, klass
+            if klass.__module__ in ("builtins", "torch.nn.modules.module"):
                 break
-        if (attr is None or owner is None or owner.__module__ in ("builtins", "torch.nn.modules.module")
-                or not isinstance(attr, (types.FunctionType, staticmethod, classmethod, property))):
-            continue  # not a method, or nn.Module's own machinery (pinned by torch's version)
-        fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-        fn = fn.fget if isinstance(fn, property) else fn
-        out[name] = attr
-        while isinstance(fn, types.FunctionType):
-            # Names used as self.<name>(...) are looked up on the class: follow them too.
-            todo.extend(n for n in CODE_MEMO.get(fn.__code__)[1] if n not in out)
-            wrapped = getattr(fn, "__wrapped__", None)
-            fn = wrapped if isinstance(wrapped, types.FunctionType) else None
-    return sorted(out.items())
+            got = klass.__dict__.get(name, _MISSING)
+            walk.reads.item(klass.__dict__, name, got)  # a method patched onto a subclass later counts
+            if got is _MISSING:
+                continue
+            key = f"{name}@{klass.__module__}.{klass.__qualname__}"
+            if isinstance(got, (types.FunctionType, staticmethod, classmethod, property)):
+                out[key] = (key, "method", got)
+                fn = got.__func__ if isinstance(got, (staticmethod, classmethod)) else got
+                fn = fn.fget if isinstance(fn, property) else fn
+                while isinstance(fn, types.FunctionType):
+                    # Names used as self.<name>(...) are looked up on the class: follow them too.
+                    todo.extend(n for n in CODE_MEMO.get(fn.__code__)[1] if n not in looked)
+                    wrapped = getattr(fn, "__wrapped__", None)
+                    fn = wrapped if isinstance(wrapped, types.FunctionType) else None
+            elif not (name.startswith("__") and name.endswith("__")) and isinstance(got, _PLAIN_CLASS_VALUES):
+                out[key] = (key, "value", got)
+    return sorted(out.values(), key=lambda item: item[0])
 
 
 def _state_extra(module: Any, path: str, walk: Walk) -> None:
@@ -167,6 +179,9 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
             _script_module(walk, sub, where)
             continue
         fields = dict(reads.mapping(sub.__dict__))
+        if fields.get("_compiled_call_impl") is not None:
+            # torch.compile's backend and options change numerics and are not in the module.
+            raise Unidentifiable(where or type(sub).__name__, "compiled with torch.compile (its backend computes the output)")
         walk.emit(f"module:{where}:{cls.__module__}.{cls.__qualname__}:training={fields.get('training')}")
         for pname, p in reads.mapping(fields["_parameters"]):
             walk.emit(f"param:{pname}")
@@ -197,10 +212,14 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
             walk.value(v, f"{where}.{k}")
     for cls in classes:
         walk.emit(f"class-code:{cls.__module__}.{cls.__qualname__}")
-        # Every module runs through its forward; the root may be entered elsewhere too (encode_text).
-        for mname, fn in _entry_methods(walk, cls, tuple(dict.fromkeys(("forward", *entries)))):
-            walk.emit(f"method:{mname}")
-            walk.callable(fn, f"{cls.__qualname__}.{mname}", shallow=shallow_code)
+        # Every module runs through __call__ (a class between it and nn.Module may override it)
+        # and its forward; the root may be entered elsewhere too (encode_text).
+        for key, kind, attr in _entry_methods(walk, cls, tuple(dict.fromkeys(("__call__", "forward", *entries)))):
+            walk.emit(f"{kind}:{key}")
+            if kind == "method":
+                walk.callable(attr, f"{cls.__qualname__}.{key}", shallow=shallow_code)
+            else:
+                walk.value(attr, f"{cls.__qualname__}.{key}")
 
 
 def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), skip: str | tuple[str, ...] = "") -> None:

@@ -24,6 +24,7 @@ import functools
 import logging
 import operator
 import os
+import random
 import re
 import sys
 import threading
@@ -43,7 +44,7 @@ __all__ = ["Walk", "Unidentifiable", "SHALLOW_MODULES"]
 SHALLOW_MODULES = ("torch", "builtins", "functools", "typing", "collections", "contextlib", "abc", "enum", "inspect",
                    "warnings", "logging", "numpy", "math", "copy", "dataclasses", "re", "os", "importlib", "threading",
                    "weakref", "types", "operator", "itertools", "packaging", "safetensors", "huggingface_hub",
-                   "accelerate.utils", "tqdm", "json", "typing_extensions")
+                   "accelerate.utils", "tqdm", "json", "typing_extensions", "torchvision", "PIL")
 
 # Plain config fields that name where a model came from, not what it computes.
 CONFIG_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype",
@@ -301,8 +302,14 @@ class Walk:
             return
         if t.layout != torch.strided:
             raise Unidentifiable(path, f"a {t.layout} tensor")
-        self.emit(f"tensor:{len(self.tensors)}")
-        self.tensors.append((path, t))  # the object itself: .data may be replaced, so detached when digested
+        self.emit(f"tensor:{len(self.tensors)}:{type(t).__module__}.{type(t).__qualname__}")
+        self.tensors.append((path, t))
+        extra = getattr(t, "__dict__", None)
+        if extra:  # Python attributes on a tensor (a Parameter's gain, bitsandbytes' quant_state)
+            self.emit("tensor-attrs")
+            for k, x in sorted(self.reads.mapping(extra)):
+                self.emit(f"field:{k}")
+                self.value(x, f"{path}.{k}")  # the object itself: .data may be replaced, so detached when digested
 
     def finish(self) -> None:
         """Describe the registries the code named, once every string of state and code is known."""
@@ -381,7 +388,7 @@ class Walk:
             describe_backend(self, v, path)
             text = tuple(self.lines[start:])
             self.reads.calls.append((lambda b=v, p=path: _backend_text(b, p), text))
-        elif isinstance(v, (torch.Generator,)):
+        elif isinstance(v, (torch.Generator, random.Random)) or type(v).__name__ == "Generator" and "numpy" in type(v).__module__:
             raise Unidentifiable(path, "a random generator (its output is random)")
         else:
             self.obj(v, path, depth)
@@ -395,6 +402,10 @@ class Walk:
         if len(v) < _LARGE:
             return False
         items = v.items() if isinstance(v, Mapping) else v
+        plain = (*_PRIMITIVES, tuple)
+        if not all(isinstance(x, plain) and (not isinstance(x, tuple) or all(isinstance(y, _PRIMITIVES) for y in x))
+                   for x in items):
+            return False  # tensors or objects: repr() summarises them, so they are described one by one
         try:
             text = repr(sorted(items, key=repr) if isinstance(v, (set, frozenset)) else list(items))
         except Exception:  # noqa: BLE001 - unorderable: described entry by entry
@@ -413,13 +424,16 @@ class Walk:
         keyed = []
         for k, x in items:
             if not isinstance(k, (str, int, float, bool, type(None), tuple, enum.Enum)):
+                if not state:
+                    continue  # a registry keyed by functions or classes (torchvision's kernels): not readable by a name
                 raise Unidentifiable(path, f"a mapping keyed by {type(k).__name__}")
             keyed.append((repr(k), x))
         if not state:
             # A registry is read under keys that come from the state (config._attn_implementation)
             # or from the code (ACT2FN["gelu"]): only those entries can be what runs. Others
             # (another library registering its kernels at import) leave the identity as it is.
-            keyed = [(k, x) for (k, x), (raw, _) in zip(keyed, items, strict=True)
+            plain_keys = [raw for raw, _ in items if isinstance(raw, (str, int, float, bool, type(None), tuple, enum.Enum))]
+            keyed = [(k, x) for (k, x), raw in zip(keyed, plain_keys, strict=True)
                      if not isinstance(raw, str) or raw in self.strings]
         keyed.sort(key=lambda kx: kx[0])
         self.emit(f"map:{type(v).__module__}.{type(v).__qualname__}[{len(keyed)}")
@@ -455,9 +469,16 @@ class Walk:
         self.emit(f"obj:{cls.__module__}.{cls.__qualname__}{{{len(fields)}")
         config = _is_config(v)
         if callable(v) and not isinstance(v, type):
-            call = cls.__dict__.get("__call__") or next((k.__dict__["__call__"] for k in cls.__mro__ if "__call__" in k.__dict__), None)
-            if isinstance(call, types.FunctionType):
-                self.callable(call, f"{path}.__call__", depth + 1)
+            # A callable object (a tokenizer, a hook object): its class's __call__ and every
+            # method or class value that code reaches on the class (self.encode, self.bpe...).
+            from ._modules import _entry_methods
+
+            for key, kind, attr in _entry_methods(self, cls, ("__call__",)):
+                self.emit(f"{kind}:{key}")
+                if kind == "method":
+                    self.callable(attr, f"{path}.{key}", depth + 1)
+                else:
+                    self.value(attr, f"{path}.{key}", depth + 1)
         for k in sorted(fields):
             if (config and k in CONFIG_PROVENANCE) or k in self.ignore:
                 continue
@@ -518,8 +539,8 @@ class Walk:
             self.value(fn.__defaults__, f"{path}.__defaults__", depth + 1)
         if fn.__kwdefaults__:
             self.value(fn.__kwdefaults__, f"{path}.__kwdefaults__", depth + 1)
-        if shallow or _shallow(fn.__module__):
-            return
+        # Closures are followed even for torch's own functions: its decorators (no_grad...) keep the
+        # user's function there.
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
             self.emit(f"cell:{name}")
             try:
@@ -530,6 +551,15 @@ class Walk:
                 continue
             self.reads.cell(cell, contents)
             self.value(contents, f"{path}<{name}>", depth + 1)
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is not None:
+            self.reads.attr(fn, "__wrapped__", wrapped)
+            self.emit("wrapped")
+            self.callable(wrapped, f"{path}.__wrapped__", depth + 1)
+        # Where the code was defined, from its globals: functools.wraps copies __module__ from
+        # whatever it wraps, so a user's wrapper of a torch function would pass for torch's.
+        if shallow or _shallow(fn.__globals__.get("__name__")):
+            return
         g = fn.__globals__
         for name in names:
             got = g.get(name, _MISSING)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CAPACITY_STEP", "RESERVE_TOKENS", "KVBuffers", "copy_block", "host_view", "kv_layers", "make_cache"]
+__all__ = ["CAPACITY_STEP", "RESERVE_TOKENS", "KVBuffers", "copy_block", "host_view", "kv_layers", "make_cache", "reserved_layer_class"]
 
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
@@ -105,7 +105,7 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     kv = [(full_k[i], full_v[i]) for i in range(full_k.shape[0])]
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
-    reserved = _reserved_layer_class()
+    reserved = reserved_layer_class()
     if (reserved is not None and layers is not None and len(layers) == len(kv)
             and all(type(layer).__name__ == "DynamicLayer" for layer in layers)):
         cache.layers = [reserved(k, v, n) for k, v in kv]
@@ -120,7 +120,7 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
 _RESERVED: Any = False
 
 
-def _reserved_layer_class() -> Any:
+def reserved_layer_class() -> Any:
     """A DynamicLayer that writes new tokens into spare capacity instead of concatenating.
 
     transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),

@@ -103,14 +103,19 @@ class ChunkCache:
         PrefixCache re-derives its layout whenever anything but the weights' values changed
         (config, settings, hooks, code); the attention kernel and the rotation check follow it.
         """
+        import torch
+
         signature = self.prefix._layout[0] if self.prefix._layout is not None else None
-        if signature is not None and signature == self._checked:
+        # The rotation uses the live frequencies: read on every request (a few hundred bytes),
+        # since the signature holds no tensor bytes.
+        freqs = _rotary_frequencies(self.model)
+        if signature is not None and signature == self._checked and torch.equal(freqs, self._inv_freq):
             return
         impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
         if impl not in ("sdpa", "eager"):
             raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
                                         "tokens in place needs: load the model with attn_implementation='sdpa'")
-        self._inv_freq = _rotary_frequencies(self.model)
+        self._inv_freq = freqs
         _check_moves(self.model, self._inv_freq, self.prefix)
         self._checked = signature
 

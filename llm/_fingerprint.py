@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from promptstore import digest_tensors
-from promptstore._live import ambient_identity, module_structure, tokenizer_identity
+from promptstore._live import ambient_identity, classes_identity, module_structure, tokenizer_identity
 
-__all__ = ["model_fingerprint", "model_structure", "tokenizer_fingerprint", "ambient_fingerprint"]
+__all__ = ["cache_code_fingerprint", "model_fingerprint", "model_structure", "tokenizer_fingerprint", "ambient_fingerprint"]
 
 
 def model_structure(model: Any) -> tuple[str, list[tuple[str, Any]]]:
@@ -46,3 +46,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def ambient_fingerprint() -> str:
     """The ambient torch state that changes a forward's numbers (autocast, matmul precision...)."""
     return ambient_identity()
+
+
+def cache_code_fingerprint() -> str:
+    """The live code of the cache classes every attention layer calls into (``DynamicLayer.update``...)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from ._buffers import reserved_layer_class
+
+    reserved = reserved_layer_class()
+    return classes_identity(DynamicCache, DynamicLayer, *((reserved,) if reserved is not None else ()))

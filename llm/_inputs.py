@@ -88,6 +88,11 @@ def check_generation(model: Any, kwargs: Mapping[str, Any]) -> None:
     if kwargs.get("assistant_model") is not None or getattr(config, "prompt_lookup_num_tokens", None) \
             or getattr(config, "assistant_early_exit", None):
         refused.append("assisted decoding")
+    if getattr(config, "return_dict_in_generate", False) and (getattr(config, "output_hidden_states", False)
+                                                              or getattr(config, "output_attentions", False)):
+        refused.append("output_hidden_states/output_attentions (they would cover only the tokens computed now)")
+    if getattr(config, "dola_layers", None) is not None:
+        refused.append("dola_layers")
     if kwargs.get("custom_generate") is not None:
         refused.append("custom_generate")
     if refused:

@@ -35,7 +35,7 @@ from promptstore.errors import InvalidInputError, PromptStoreWarning, Unsupporte
 from ._admission import checked_layout, vocab_size
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, host_view, kv_layers, make_cache
 from ._counts import Counts
-from ._fingerprint import ambient_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
+from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
 
 __all__ = ["PrefixCache", "KIND"]
@@ -114,7 +114,8 @@ class PrefixCache:
         # Read on every request (microseconds when unchanged): a tokenizer edited in place
         # (add_tokens, another chat template) is another key at once.
         return [model_fingerprint(self.model, self._structure), tokenizer_fingerprint(self.tokenizer),
-                ambient_fingerprint(), f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
+                ambient_fingerprint(), cache_code_fingerprint(),
+                f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
 
     def _root_key(self) -> bytes:
         # Hashes every weight (tens of ms): callers take it once per request.

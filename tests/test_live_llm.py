@@ -388,3 +388,137 @@ def test_a_fresh_process_without_the_hook_never_reads_the_hooked_entries(tmp_pat
     assert float(second[1]) <= ATOL
     again = run_python(CHILD, folder, "hook").stdout.split()
     assert again[0] == str(len(IDS) - 1) and float(again[1]) <= ATOL  # each keeps its own entries
+
+
+# -- found by an adversarial review of the first version (each was a silent stale hit) ----------------------
+class _Scaled(torch.nn.Module):
+    FACTOR = 1.0  # a class constant forward reads
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.w * self.FACTOR
+
+
+class _Sub(_Scaled):
+    def forward(self, x):
+        return super().forward(x) + 0.0  # the parent's forward runs too
+
+
+def _with_extra(model, module):
+    norm = model.model.layers[0].post_attention_layernorm
+    model.model.layers[0].post_attention_layernorm = torch.nn.Sequential(norm, module)
+    return model
+
+
+def _noisy_mode():
+    from torch.overrides import TorchFunctionMode
+
+    class Scale(TorchFunctionMode):
+        def __init__(self, s):
+            super().__init__()
+            self.s = s
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * self.s if func is torch.nn.functional.silu else out
+
+    return Scale
+
+
+def _patch_no_grad_partial(model, scale):
+    import functools
+
+    mlp = model.model.layers[0].mlp
+
+    def fwd(self, x, scale):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * scale
+
+    mlp.forward = torch.no_grad()(functools.partial(fwd, mlp, scale=scale))
+
+
+@pytest.mark.parametrize("change", ["parent_call_patched", "super_forward_patched", "class_constant",
+                                    "no_grad_partial_forward", "parameter_attribute", "large_tensor_table"])
+def test_live_changes_found_by_review_miss_and_equal_a_recompute(store, monkeypatch, change):
+    from transformers import modeling_layers
+
+    model = tiny()
+    if change in ("super_forward_patched", "class_constant"):
+        _with_extra(model, _Sub(64))
+    if change == "no_grad_partial_forward":
+        _patch_no_grad_partial(model, 1.0)
+    if change == "parameter_attribute":
+        norm = model.model.norm
+        norm.weight.gain = 1.0
+        monkeypatch.setattr(type(norm), "forward", lambda self, h: self.weight * getattr(self.weight, "gain", 1.0) * h)
+    if change == "large_tensor_table":
+        model.model.layers[0].mlp.table = [torch.zeros(4) for _ in range(5000)]
+        original = modeling_llama.LlamaMLP.forward
+        monkeypatch.setattr(modeling_llama.LlamaMLP, "forward",
+                            lambda self, x: original(self, x) + (self.table[2500].sum() if hasattr(self, "table") else 0))
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    if change == "parent_call_patched":
+        original_call = modeling_layers.GradientCheckpointingLayer.__call__
+        monkeypatch.setattr(modeling_layers.GradientCheckpointingLayer, "__call__",
+                            lambda self, *a, **k: (lambda o: (o[0] * 1.3, *o[1:]) if isinstance(o, tuple) else o * 1.3)(
+                                original_call(self, *a, **k)))
+    elif change == "super_forward_patched":
+        monkeypatch.setattr(_Scaled, "forward", lambda self, x: x * self.w * 2.0)
+    elif change == "class_constant":
+        monkeypatch.setattr(_Scaled, "FACTOR", 3.0)
+    elif change == "no_grad_partial_forward":
+        _patch_no_grad_partial(model, 3.0)
+    elif change == "parameter_attribute":
+        model.model.norm.weight.gain = 3.0
+    elif change == "large_tensor_table":
+        model.model.layers[0].mlp.table = [torch.full((4,), float(i == 2500)) for i in range(5000)]  # a new table
+    assert served_after(pc, what=change) == 0
+
+
+def test_patched_cache_code_is_another_key(store, monkeypatch):
+    """The cache classes every attention layer calls are keyed too (equality is not claimed: restored
+    caches write through promptstore's own layer class, so a patched DynamicLayer.update is library
+    internals, README: out of contract)."""
+    from transformers import cache_utils
+
+    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    before = pc.fingerprint
+    original = cache_utils.DynamicLayer.update
+    monkeypatch.setattr(cache_utils.DynamicLayer, "update", lambda self, k, v, *a, **kw: original(self, k, v * 1.5, *a, **kw))
+    assert pc.fingerprint != before
+
+
+def test_a_torch_function_mode_is_keyed_by_its_fields(store):
+    scale = _noisy_mode()
+    model = tiny()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    with scale(1.0):
+        pc.prefill(IDS)
+    with scale(2.0):
+        want = plain(model)
+        assert served_after(pc, what="function mode with another field", want=want) == 0
+
+
+def test_torch_compile_is_refused_before_anything_is_stored(store):
+    model = tiny()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    model.model.layers[0].mlp.compile(backend="eager")
+    with pytest.raises(UnsupportedModelError, match="torch.compile"):
+        pc.prefill(IDS)
+    assert not store.ls("llm.kv")
+
+
+def test_chunk_cache_follows_rotary_frequencies_changed_live(store):
+    model = tiny()
+    segs = [IDS[:6], IDS[6:20], IDS[20:36], IDS[36:]]
+    cc = ChunkCache(model, None, store=store, recompute=1.0)
+    cc.prefill(segs)
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq * 0.5
+    assert torch.equal(cc._inv_freq, rotary.inv_freq) is False
+    logits = cc.prefill(segs)[1]
+    assert torch.equal(cc._inv_freq, rotary.inv_freq)
+    assert_same(logits, plain(model, [t for s in segs for t in s]), ATOL, "recompute=1.0 after inv_freq changed")

@@ -257,3 +257,12 @@ def test_owl_after_the_tokenizer_max_length_changed(owl, store):
     n = len(store.ls(TEXT_KIND))
     owl_after(model, processor, store, images, "max length 12")
     assert len(store.ls(TEXT_KIND)) == n + len(OWL_QUERIES)  # another tokenizer: encoded again
+
+
+def test_a_patched_tokenizer_method_other_than_call_misses(store, monkeypatch):
+    """SimpleTokenizer.__call__ runs self.encode: the class's methods it reaches are keyed (found by review)."""
+    model, tok = clip()
+    zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store)
+    original = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text: original(self, text)[::-1])
+    zs_after(model, tok, store, "patched SimpleTokenizer.encode")
