@@ -25,6 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     q = args.quick
     run("bench/store_bench.py", "--repeats", "3" if q else "7")
+    run("bench/identity_cost.py", "--repeats", "10" if q else "40")
     run("bench/llm_ttft.py", "--lengths", *(["512", "2000"] if q else ["512", "2000", "4000", "8000"]))
     if args.llama_cpp:
         run("bench/llama_cpp_bench.py", "--install", "--lengths", *(["512", "2000"] if q else ["512", "2000", "4000", "8000"]))

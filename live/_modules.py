@@ -183,20 +183,15 @@ def walk_module(walk: Walk, module: Any, path: str, shallow_code: bool = False,
             # torch.compile's backend and options change numerics and are not in the module.
             raise Unidentifiable(where or type(sub).__name__, "compiled with torch.compile (its backend computes the output)")
         walk.emit(f"module:{where}:{cls.__module__}.{cls.__qualname__}:training={fields.get('training')}")
-        for pname, p in reads.mapping(fields["_parameters"]):
-            walk.emit(f"param:{pname}")
-            if p is None:
-                walk.emit("None")
-            else:
-                walk.tensor(f"{where}.{pname}", p)
         persistent = fields.get("_non_persistent_buffers_set", set())
         reads.frozen(persistent)
-        for bname, b in reads.mapping(fields["_buffers"]):
-            walk.emit(f"buffer:{bname}:{bname in persistent}")
-            if b is None:
-                walk.emit("None")
-            else:
-                walk.tensor(f"{where}.{bname}", b)
+        for kind, table in (("param", fields["_parameters"]), ("buffer", fields["_buffers"])):
+            for tname, t in reads.mapping(table):
+                walk.emit(f"{kind}:{tname}:{tname in persistent}" if kind == "buffer" else f"{kind}:{tname}")
+                if t is None:
+                    walk.emit("None")
+                else:
+                    walk.tensor(f"{where}.{tname}", t)
         walk.emit("children:" + ",".join(fields["_modules"]))
         _state_extra(sub, where, walk)
         _hooks(sub, where, walk)
