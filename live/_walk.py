@@ -267,7 +267,7 @@ class Walk:
         self.ignore: frozenset[str] = frozenset()  # object fields that record history, not state
         self.root = 0  # id of the object the walk describes
         self.root_ignore: frozenset[str] = frozenset()  # attributes of the root module left out
-        self.strings: set[str] = set()  # every string in the state and in the code's constants
+        self.strings: set[str] = set()  # every string in the state (the keys registries are read with)
         self._registries: list[tuple[Any, str, int]] = []
         # Every read the description rests on, to re-check cheaply on the next call (Reads).
         self.reads = Reads()
@@ -429,9 +429,11 @@ class Walk:
                 raise Unidentifiable(path, f"a mapping keyed by {type(k).__name__}")
             keyed.append((repr(k), x))
         if not state:
-            # A registry is read under keys that come from the state (config._attn_implementation)
-            # or from the code (ACT2FN["gelu"]): only those entries can be what runs. Others
-            # (another library registering its kernels at import) leave the identity as it is.
+            # A registry is read under keys that come from the state (config._attn_implementation,
+            # config.layer_types, config.hidden_act): only those entries are described. Others, which
+            # other models or libraries register as they are imported (deepseek's cache layer types),
+            # would make the key depend on import history. Keys only the code spells out are out of
+            # contract (README).
             plain_keys = [raw for raw, _ in items if isinstance(raw, (str, int, float, bool, type(None), tuple, enum.Enum))]
             keyed = [(k, x) for (k, x), raw in zip(keyed, plain_keys, strict=True)
                      if not isinstance(raw, str) or raw in self.strings]
@@ -527,8 +529,7 @@ class Walk:
             raise Unidentifiable(path, f"{type(fn).__name__} is not callable")
 
     def _function(self, fn: types.FunctionType, path: str, depth: int, shallow: bool) -> None:
-        digest, names, strings = CODE_MEMO.get(fn.__code__)
-        self.strings.update(strings)
+        digest, names, _ = CODE_MEMO.get(fn.__code__)
         self.emit(f"fn:{fn.__module__}.{fn.__qualname__}:{digest}")
         if self._seen(fn):
             return
@@ -577,7 +578,9 @@ class Walk:
             self.callable(v, path, depth)
         elif isinstance(v, types.ModuleType):
             self.emit(f"pymodule:{v.__name__}")
-            if not _shallow(v.__name__):
+            # A lazy module (transformers' own) fills its namespace as submodules are imported, so
+            # what its __dict__ holds depends on import history, not on what runs: not followed.
+            if not _shallow(v.__name__) and type(v).__name__ != "_LazyModule":
                 # Attribute lookups through a module (``masking_utils.create_causal_mask``): the
                 # functions found under any name the code uses.
                 for name in attrs:
