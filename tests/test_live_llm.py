@@ -522,3 +522,11 @@ def test_chunk_cache_follows_rotary_frequencies_changed_live(store):
     logits = cc.prefill(segs)[1]
     assert torch.equal(cc._inv_freq, rotary.inv_freq)
     assert_same(logits, plain(model, [t for s in segs for t in s]), ATOL, "recompute=1.0 after inv_freq changed")
+
+
+def test_attention_implementation_switched_live_misses_and_equals_a_recompute(store):
+    model = tiny()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    model.set_attn_implementation("eager")
+    assert served_after(pc, what="attention implementation switched to eager") == 0
