@@ -343,12 +343,14 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
     h = xxhash.xxh3_128()
     _frame(h, label.encode())
     seen: dict[Any, str] = {}
+    alive: list[Any] = []
     todo: list[tuple[int, Any, Any]] = []  # (field slot, bytes, file range or None)
     fields: list[bytes] = []
     on_device: list[tuple[int, Any]] = []
     pages: _Pages | None = None
     try:
         for name, t in named:
+            alive.append(t)  # a tensor freed mid-call (a generator's temporary) could pass its address on: a false tie
             dtype, shape, ident, data = _raw(t)
             fields.append(_framed(name.encode("utf-8", "surrogatepass")))
             if data.size and ident in seen:

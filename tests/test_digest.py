@@ -136,3 +136,73 @@ def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch):
     monkeypatch.setattr(digest, "_hash_bytes", lambda data: (hashed.append(data.size), real(data))[1])
     assert digest_tensors("w", [("w", fresh)]) == known
     assert N * 4 in hashed
+
+
+@pytest.mark.parametrize("span", [(0, N), (1000, N - 333)], ids=["whole-mapping", "unaligned-slice"])
+@pytest.mark.parametrize("how", ["torch.from_file", "np.memmap"])
+def test_a_mapped_weight_written_only_in_its_last_page_gets_a_fresh_digest(weights_file, how, span):
+    """Every page a tensor lies in is checked, the last one included (its final element may be all that changed)."""
+    lo, hi = span
+    if how == "np.memmap":
+        whole = np.memmap(weights_file, dtype=np.float32, mode="c", shape=(N,))  # copy-on-write: a private mapping
+        w = whole[lo:hi]
+        w.sum()  # pages read in
+    else:
+        w = _mapped(weights_file)[lo:hi]
+    addr = w.ctypes.data if how == "np.memmap" else w.data_ptr()
+    nbytes = (hi - lo) * 4
+    pages = digest._Pages()
+    assert pages.file_range(addr, nbytes) is not None  # the page proof applies: its digest is remembered
+    pages.close()
+    copy = w.copy() if how == "np.memmap" else w.clone()
+    remembered = digest_tensors("w", [("w", w)])
+    assert remembered == digest_tensors("w", [("w", copy)])  # hashed in anonymous memory: the same bytes
+    assert digest_tensors("w", [("w", w)]) == remembered  # recalled by the file's identity
+    last_page = (addr + nbytes - 1) // digest._PAGE
+    assert (addr + nbytes - 4) // digest._PAGE == last_page  # the last element lies in the last page only
+    w[-1] += 1.0  # only the last page is now the process's own copy
+    assert digest_tensors("w", [("w", w)]) != remembered
+    changed = w.copy() if how == "np.memmap" else w.clone()
+    assert digest_tensors("w", [("w", w)]) == digest_tensors("w", [("w", changed)])
+    if how == "np.memmap":
+        del w, whole
+
+
+@pytest.mark.parametrize("lib", ["torch", "numpy"])
+@pytest.mark.parametrize("shape", [(4, 4), (3, 5)], ids=["square", "oblong"])
+def test_a_tensor_listed_with_its_transpose_is_not_tied_to_it(lib, shape):
+    """Ties are recognised by the whole view (pointer, dtype, shape, strides): a transpose shares the pointer only."""
+    w = torch.randn(*shape) if lib == "torch" else np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    wt = w.t() if lib == "torch" else w.T
+    wt_copy = wt.contiguous() if lib == "torch" else np.ascontiguousarray(wt)
+    ptr = (lambda t: t.data_ptr()) if lib == "torch" else (lambda t: t.__array_interface__["data"][0])
+    assert ptr(wt) == ptr(w)
+    with_transpose = digest_tensors("m", [("a", w), ("b", wt)])
+    assert with_transpose != digest_tensors("m", [("a", w), ("b", w)])  # not a tied pair
+    assert with_transpose == digest_tensors("m", [("a", w), ("b", wt_copy)])  # the same as an untied copy
+    # The transpose listed twice is a tie, like any tensor listed twice.
+    assert digest_tensors("m", [("a", wt), ("b", wt)]) == digest_tensors("m", [("a", wt_copy), ("b", wt_copy)])
+
+
+@pytest.mark.parametrize("lib", ["torch", "numpy"])
+def test_tensors_made_on_the_fly_are_never_tied_by_a_reused_address(lib):
+    """A generator of temporaries (``(n, p.t() * 1) for ...``): each is freed once the next is drawn.
+
+    Its address is then free for a later temporary of the same dtype, shape and strides, which
+    must not be taken for a tie of the first (its bytes would be left out of the digest: two
+    models differing in that weight would share a digest).
+    """
+    rng = np.random.default_rng(5)
+    ws = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(12)]
+    if lib == "torch":
+        ws = [torch.from_numpy(w) for w in ws]
+    on_the_fly = (lambda ws: ((f"w{i}", w.t().mul(1.0)) for i, w in enumerate(ws))) if lib == "torch" else \
+        (lambda ws: ((f"w{i}", (w * 1.0).T) for i, w in enumerate(ws)))
+    truth = digest_tensors("m", list(on_the_fly(ws)))  # all alive at once: no address is reused
+    other = [w.clone() if lib == "torch" else w.copy() for w in ws]
+    other[6] += 1.0
+    truth_other = digest_tensors("m", list(on_the_fly(other)))
+    assert truth != truth_other
+    for _ in range(40):
+        assert digest_tensors("m", on_the_fly(ws)) == truth
+        assert digest_tensors("m", on_the_fly(other)) == truth_other

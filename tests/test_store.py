@@ -388,3 +388,33 @@ def test_a_tier_that_refuses_a_new_value_drops_the_old_one(tmp_path):
         with pytest.warns(PromptStoreWarning, match="exceeds the tier budget"):
             s.put(k, {"x": arr(2, 5000)}, kind="t")  # too big for memory, fine for disk
         assert_same_tensors(s.get(k).tensors, {"x": arr(2, 5000)})
+
+
+@pytest.mark.parametrize("wrong", [(4, 3), (2, 3), (5, 4), (12,)], ids=["same-size", "smaller", "bigger", "flat"])
+@pytest.mark.parametrize("fresh", [False, True], ids=["disk-only", "fresh-store"])
+def test_get_into_an_array_of_another_shape_from_disk_leaves_it_and_the_entry_alone(tmp_path, wrong, fresh):
+    """The disk tier reads a tensor into a caller's array only if dtype and shape match.
+
+    An array of the right dtype but another shape (even one of the same size) must never be
+    filled with the tensor's bytes, nor read past or short of the tensor (which fails the
+    checksum and would drop a valid entry as corrupt): the tensor comes back in a fresh array.
+    """
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) + 0.5
+    y = np.arange(7, dtype=np.float32) * -3.0  # stored after "x": a read past "x" would land in it
+    with PromptStore(tmp_path / "s", memory_bytes="1MiB" if fresh else 0) as writer:
+        k = writer.key("t", "wrong shape")
+        assert writer.put(k, {"x": x, "y": y}, kind="t")
+    with PromptStore(tmp_path / "s", memory_bytes="1MiB" if fresh else 0) as s:
+        assert all(t.contains(k) is None for t in s.tiers if t.name == "memory")  # only the disk can answer
+        dst = np.zeros(wrong, np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PromptStoreWarning)  # no "dropped corrupt entry"
+            got = s.get(k, kind="t", into={"x": dst})
+            assert s.stats()["kinds"]["t"]["tiers"]["disk"]["hits"] == 1
+            assert got is not None
+            assert got.tensors["x"].shape == (3, 4) and not np.shares_memory(got.tensors["x"], dst)
+            assert_same_tensors(got.tensors, {"x": x, "y": y})
+            assert not dst.any()  # the caller's array of another shape is untouched
+            assert k in s and entry_file(s, k).exists()  # still stored
+            assert_same_tensors(s.get(k, kind="t").tensors, {"x": x, "y": y})
+        assert s.verify()["ok"]
