@@ -308,3 +308,80 @@ def test_an_edited_weight_never_serves_a_stored_passage(tmp_path):
         _, logits = cc.prefill(segs)
         assert cc.stats["last"]["served"] == 0
     assert (logits - full_logits(model, [t for x in segs for t in x])).abs().max().item() <= ATOL
+
+
+# -- behaviours a planted bug once got past (#21) ---------------------------------------------------
+def test_a_passage_stored_after_one_anchor_is_not_served_after_another_of_the_same_length(tiny, store):
+    anchor, passages, question = segments(500, 21)
+    other = [(t % 499) + 1 for t in anchor[::-1]]  # as long as the anchor, other tokens
+    assert len(other) == len(anchor) and other != anchor
+    cc = ChunkCache(tiny, store=store, recompute=1.0)
+    cc.prefill([anchor, passages[0], passages[1], question])
+    segs = [other, passages[0], passages[1], question]
+    _, logits = cc.prefill(segs)
+    assert cc.stats["last"]["served"] == 0  # neither passage: their KV was computed after another anchor
+    assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+
+
+def layer_values(cache, layer: int) -> torch.Tensor:
+    """A cache's values at one layer, per position: (positions, heads * head dim)."""
+    v = cache.layers[layer].values[0]
+    return v.permute(1, 0, 2).reshape(v.shape[1], -1)
+
+
+def recomputed_positions(tiny, segs, cache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which moved positions a request recomputed, told apart by their layer-1 values.
+
+    Layer 1's values depend on layer 0 only, whose KV is exact after a move: a recomputed token's
+    layer-1 values are those of a full prefill, a served one's are those computed after the anchor
+    alone. Returns (moved positions, recomputed ones, each moved token's squared deviation).
+    """
+    anchor, passages = segs[0], segs[1:-1]
+    ids = [t for s in segs for t in s]
+    with torch.no_grad():
+        full = layer_values(kv_of(tiny(torch.as_tensor([ids]), use_cache=True)), 1)
+    moved, stale = [], []
+    at = len(anchor) + len(passages[0])
+    for p in passages[1:]:
+        with torch.no_grad():
+            alone = layer_values(kv_of(tiny(torch.as_tensor([anchor + p]), use_cache=True)), 1)[len(anchor):]
+        moved.append(np.arange(at, at + len(p)))
+        stale.append(alone)
+        at += len(p)
+    positions, stale = np.concatenate(moved), torch.cat(stale)
+    got = layer_values(cache, 1)[torch.as_tensor(positions)]
+    fresh = (got - full[positions]).abs().amax(dim=1) < (got - stale).abs().amax(dim=1)
+    deviation = ((full[positions] - stale) ** 2).sum(dim=1).numpy()
+    return positions, positions[fresh.numpy()], deviation
+
+
+@pytest.mark.parametrize("select", ["recent", "blend", "first"])
+def test_each_selection_recomputes_the_tokens_it_names(tiny, store, select):
+    """recent: the moved tokens nearest the question; blend: the most-deviating ones; first: each passage's first."""
+    anchor, passages, question = segments(500, 22)
+    segs = [anchor, *passages, question]
+    cc = ChunkCache(tiny, store=store, recompute=0.25, select=select)
+    cache, _ = cc.prefill(segs)
+    positions, fresh, deviation = recomputed_positions(tiny, segs, cache)
+    count = round(0.25 * len(positions))
+    assert len(fresh) == count
+    if select == "recent":
+        expected = positions[-count:]
+    elif select == "blend":
+        expected = np.sort(positions[np.argsort(-deviation)[:count]])
+    else:
+        per = -(-count // (len(passages) - 1))
+        starts = np.cumsum([0] + [len(p) for p in passages[1:-1]])
+        expected = np.sort(np.concatenate([positions[s : s + per] for s in starts]))[:count]
+    assert fresh.tolist() == expected.tolist()
+
+
+def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
+    anchor, passages, question = segments(500, 23)
+    cc = ChunkCache(tiny, store=store, recompute=1.0)
+    key = cc._chunk_key(np.array(anchor), np.array(passages[1]))
+    bad = np.zeros((3, 2, len(passages[1]) - 1, 16), np.float32)  # one token short
+    store.put(key, {"k": bad, "v": bad}, kind=CHUNK_KIND)
+    segs = [anchor, passages[0], passages[1], question]
+    _, logits = cc.prefill(segs)
+    assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL

@@ -453,3 +453,43 @@ def test_gpu_loads_through_pinned_slots_equal_a_recompute(tmp_path, dtype):
                     arg = pc._cache_arg
                     ref = model(torch.tensor([q], device="cuda"), use_cache=True, **{arg: cache}).logits[0, -1]
                 assert (logits.float() - ref.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+# -- behaviours a planted bug once got past (#21) ---------------------------------------------------
+def test_a_tail_stored_after_one_block_is_not_served_after_another_starting_alike(tiny, store):
+    rng = np.random.default_rng(21)
+    block_a, block_b = rng.integers(0, 500, 16).tolist(), rng.integers(0, 500, 16).tolist()
+    tail = rng.integers(0, 500, 6).tolist()
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(block_b + [tail[0] ^ 1, 5, 6])  # stores block B (and a tail after it starting otherwise)
+    pc.prefill(block_a + tail)  # stores block A and, after it, a tail starting with tail[0]
+    ids = block_b + tail + [7]
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["served"] == 16  # block B only: the tail was computed after block A
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_a_stored_tail_of_another_shape_is_a_miss(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(22).integers(0, 500, 30).tolist()
+    pc.prefill(ids[:16] + [1])  # block 0
+    parent = pc._block_keys(np.array(ids), 1)[0]
+    bad = np.zeros((3, 2, 10, 8), np.float32)  # head dim 8, not 16
+    store.put(pc._tail_key(parent, ids[16]), {"tokens": np.array(ids[16:26], np.int32), "k": bad, "v": bad},
+              kind="llm.kv", parent=parent)
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["served"] == 16
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_a_longer_request_after_a_short_one_gets_buffers_that_fit(tiny, store):
+    """The buffer pool reuses a pair only if it holds the request: a short request, then longer ones."""
+    rng = np.random.default_rng(23)
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    for n in (40, 700, 60, 1000):
+        ids = rng.integers(0, 500, n).tolist()
+        pc.prefill(ids[: n - 10])
+        cache, logits = pc.prefill(ids)
+        assert pc.stats["last"]["served"] == n - 10
+        assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+        del cache
