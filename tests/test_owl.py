@@ -186,3 +186,69 @@ def test_a_changed_text_setting_that_is_no_weight_misses(clip_tokenizer, tmp_pat
             out = owl_detect(model, processor, QUERIES, images=imgs, store=store)
         assert runs.rows == len(QUERIES)
     assert (out.logits - plain(model, processor, QUERIES, imgs).logits).abs().max().item() <= 1e-5
+
+
+FIELDS = ("logits", "pred_boxes", "class_embeds", "image_embeds", "text_embeds")
+
+
+def outputs(out, kind="owlv2"):
+    return {name: getattr(out, name) for name in FIELDS + (("objectness_logits",) if kind == "owlv2" else ())}
+
+
+def test_a_changed_tokenizer_model_max_length_misses_and_equals_a_recompute(tmp_path):
+    """OWL's processor pads every query to the tokenizer's model_max_length: another length is another
+    input to the text tower (other rounding; a query longer than it fails), so it is a miss.
+
+    The change is made after a call, and nothing calls the processor between it and owl_detect: the
+    tokenizer's Rust backend keeps the padding its last call set (length 16), and that leftover is part
+    of the fingerprint, so the key must change through model_max_length itself.
+    """
+    tok = clip_tokenizer_in(tmp_path)  # its own: edited in place below
+    model, processor = build("owlv2", tok)
+    imgs = images(1)
+    plain(model, processor, QUERIES, imgs)  # a call first, as a session makes one (see below)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        tok.model_max_length = 10
+        with TextRuns(model) as runs:
+            out = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == len(QUERIES)
+        assert processor(text=QUERIES, return_tensors="pt")["input_ids"].shape == (len(QUERIES), 10)
+        with PromptStore(tmp_path / "off") as empty:  # the same call with nothing stored: a recompute
+            recompute = owl_detect(model, processor, QUERIES, images=imgs, store=empty)
+        ref = plain(model, processor, QUERIES, imgs)
+        for name, value in outputs(out).items():
+            assert torch.equal(value, outputs(recompute)[name]), name
+            assert (value - outputs(ref)[name]).abs().max().item() <= 1e-5, name
+        # Shorter than a stored query ("a person in a hard hat" is 8 tokens): the plain call fails, and so
+        # does this one, instead of serving the entry stored under the longer padding.
+        tok.model_max_length = 6
+        with pytest.raises(ValueError):
+            plain(model, processor, QUERIES, imgs)
+        with TextRuns(model) as runs, pytest.raises(ValueError):
+            owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == 0
+
+
+@pytest.mark.parametrize("kind", ["owlv2", "owlvit"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_half_or_bfloat16_detector_gets_its_own_dtype_from_the_store(kind, dtype, clip_tokenizer, tmp_path):
+    """Entries hold the embeddings exactly (float32 holds every half and bfloat16 value): a hit gives the
+    detector the very embeddings a miss computed, in its dtype, and both are the plain call's, bit for bit."""
+    model, processor = build(kind, clip_tokenizer)
+    model = model.to(dtype)
+    imgs = images(1)  # one image: the plain call encodes the same batch of queries, so it rounds alike
+    ref = plain(model, processor, QUERIES, imgs)
+    assert ref.text_embeds.dtype == dtype
+    with PromptStore(tmp_path / "s") as store:
+        with TextRuns(model) as runs:
+            miss = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == len(QUERIES)
+        with TextRuns(model) as runs:
+            hit = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        assert runs.rows == 0
+    for out in (miss, hit):
+        assert out.text_embeds.dtype == out.image_embeds.dtype == dtype
+        for name, value in outputs(out, kind).items():
+            expected = outputs(ref, kind)[name]
+            assert value.dtype == expected.dtype and torch.equal(value, expected), name

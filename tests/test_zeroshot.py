@@ -322,3 +322,103 @@ def test_warm_classes_builds_a_classifier_in_whole_classes(tmp_path, capsys, mon
         assert main(argv) == 0
         second = json.loads(capsys.readouterr().out)
     assert (first["encoded"], first["shape"], second["encoded"]) == (6, [512, 3], 0)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 0), (0, 256)], ids=["one-more-class", "half-width"])
+def test_a_whole_classifier_entry_of_another_shape_is_a_miss(vitb32, tmp_path, rows, width):
+    """An entry under the classifier's own key whose tensor has another shape is never served as the classifier."""
+    from promptstore.vision._zeroshot import CLASSIFIER_KIND
+
+    model, tok = vitb32
+    names, templates = CLASSES[:3], TEMPLATES[:2]
+    ref = build_zero_shot_classifier(model, tok, names, templates)  # (512, 3): cache off
+    with PromptStore(tmp_path / "s") as store:
+        built = zero_shot_classifier(model, tok, names, templates, store=store)
+        (info,) = store.ls(kind=CLASSIFIER_KIND)  # the key the call reads the whole classifier from
+        entry = store.get(info.key, kind=CLASSIFIER_KIND)
+        assert entry.tensors["w"].shape == (3, 512)
+        wrong = np.random.default_rng(0).standard_normal((3 + rows, 512 - width)).astype(np.float32)
+        store.put(info.key, {"w": wrong}, kind=CLASSIFIER_KIND, meta=entry.meta)
+        with Encoded(model) as enc:
+            out = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert enc.rows == 0  # rebuilt from the per-class entries, not from the wrong one
+        with Encoded(model) as enc:
+            again = zero_shot_classifier(model, tok, names, templates, store=store)  # the rebuilt entry is stored
+        assert enc.rows == 0
+        assert store.get(info.key, kind=CLASSIFIER_KIND).tensors["w"].shape == (3, 512)
+    # A store holding only the wrong entry (nothing else to build from): every prompt is encoded.
+    with PromptStore(tmp_path / "t") as fresh:
+        fresh.put(info.key, {"w": wrong}, kind=CLASSIFIER_KIND, meta=entry.meta)
+        with Encoded(model) as enc:
+            cold = zero_shot_classifier(model, tok, names, templates, store=fresh)
+        assert enc.rows == 6
+        assert [i.key for i in fresh.ls(kind=CLASSIFIER_KIND)] == [info.key]  # the very key, now rewritten
+        assert fresh.get(info.key, kind=CLASSIFIER_KIND).tensors["w"].shape == (3, 512)
+    for result in (out, again, cold):
+        assert torch.equal(result, built) and same(result, ref) <= 1e-6
+
+
+def padded_tower(seed: int = 0):
+    """A small open_clip text tower that reads every position (no causal mask: padding changes its output)
+    and takes any sequence length up to its 77 positions, with ViT-B-32's SimpleTokenizer."""
+    torch.manual_seed(seed)
+    model = open_clip.CustomTextCLIP(64, dict(layers=1, width=64, patch_size=32, image_size=64),
+                                     dict(context_length=77, vocab_size=49408, width=64, heads=2, layers=2,
+                                          no_causal_mask=True)).eval()
+    Counting(model.text.token_embedding)
+    return model, open_clip.get_tokenizer("ViT-B-32")
+
+
+def test_a_changed_tokenizer_context_length_misses_and_equals_open_clip(tmp_path):
+    model, tok = padded_tower()
+    names, templates = CLASSES[:3], TEMPLATES[:2]
+    with PromptStore(tmp_path / "s") as store:
+        before = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert same(before, build_zero_shot_classifier(model, tok, names, templates)) <= 1e-6
+        tok.context_length = 12  # 12 tokens per prompt instead of 77: the tower sees less padding
+        ref = build_zero_shot_classifier(model, tok, names, templates)
+        assert same(ref, before) > 1e-3  # the change changes what the tower computes
+        with Counting(model.text.token_embedding) as enc:
+            out = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert enc.rows == 6
+        with Counting(model.text.token_embedding) as enc:
+            again = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert enc.rows == 0  # the new context's entries, stored under their own keys
+        tok.context_length = 77
+        with Counting(model.text.token_embedding) as enc:
+            back = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert enc.rows == 0  # and the old ones are still there under theirs
+    assert same(out, ref) <= 1e-6 and torch.equal(out, again) and torch.equal(back, before)
+
+
+def fewer_merges(tok, names):
+    """Drop the merges that make each word of ``names`` one token (the vocabulary stays as it is)."""
+    words = {tok.bpe(w) for n in names for w in tok.clean_fn(n).split()}
+    for pair in [p for p in tok.bpe_ranks if "".join(p) in words]:
+        del tok.bpe_ranks[pair]
+
+
+def reversed_merges(tok, names):
+    """The same merges in the opposite order."""
+    last = len(tok.bpe_ranks) - 1
+    for pair, rank in list(tok.bpe_ranks.items()):
+        tok.bpe_ranks[pair] = last - rank
+
+
+@pytest.mark.parametrize("edit", [fewer_merges, reversed_merges], ids=["fewer", "reordered"])
+def test_other_bpe_merges_with_the_same_vocabulary_miss_and_equal_open_clip(vitb32, tmp_path, edit):
+    model, _ = vitb32
+    tok = open_clip.get_tokenizer("ViT-B-32")  # its own: edited in place below
+    names, templates = CLASSES[:3], TEMPLATES[:2]
+    vocabulary, tokens = dict(tok.encoder), tok(names)
+    with PromptStore(tmp_path / "s") as store:
+        before = zero_shot_classifier(model, tok, names, templates, store=store)
+        edit(tok, names)
+        tok.cache = {t: t for t in ("<start_of_text>", "<end_of_text>")}  # its memo of words already split
+        assert tok.encoder == vocabulary and not torch.equal(tok(names), tokens)
+        ref = build_zero_shot_classifier(model, tok, names, templates)
+        assert same(ref, before) > 1e-3
+        with Encoded(model) as enc:
+            out = zero_shot_classifier(model, tok, names, templates, store=store)
+        assert enc.rows == 6
+    assert same(out, ref) <= 1e-6
