@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-long bench clean redis-server
+.PHONY: demo test test-long bench mutation clean redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ test-long: $(VENV)/.installed redis-server
 # Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
 bench: $(VENV)/.installed redis-server
 	$(PY) bench/run_all.py $(if $(LLAMA_CPP),--llama-cpp,)
+
+# Mutation testing of the modules where a wrong key or reuse would be silent (not in CI: see
+# README's Development section). `make mutation GROUPS="core llm"` runs some groups only.
+mutation: $(VENV)/.installed
+	$(PIP) install -e ".[mutation]"
+	$(PY) tools/mutation.py $(GROUPS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis bench/out .demo-store

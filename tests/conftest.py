@@ -24,6 +24,27 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PROMPTSTORE_DIGESTS", str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3"))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every session starts with the library's memos empty.
+
+    A no-op for a plain run. ``make mutation`` runs many sessions in processes forked from one
+    that has already run the tests: without this, a mutant in identity or digest code would be
+    answered from what the unmutated code remembered, and survive for that reason alone.
+    """
+    if os.environ.get("MUTANT_UNDER_TEST", "") in ("", "stats", "mutant_generation"):
+        return
+    from promptstore import _digest
+    from promptstore._live import _CLASSES, _MEMO, _TOKENIZERS, _tokenizers, _walk
+
+    os.environ["PROMPTSTORE_DIGESTS"] = str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3")
+    _digest._memo = _digest._Memo()
+    for memo in (_MEMO, _TOKENIZERS):
+        memo._d.clear()
+    _CLASSES.clear()
+    _tokenizers._MEMO.clear()
+    _walk.CODE_MEMO._known.clear()
+
+
 class FakeClock:
     """A wall clock the test moves by hand."""
 

@@ -257,3 +257,108 @@ def test_any_entry_roundtrips(tensors, meta):
     for name, arr in tensors.items():
         assert e.tensors[name].shape == arr.shape
         assert e.tensors[name].tobytes() == np.ascontiguousarray(arr).tobytes()
+
+
+# -- what decoding returns, field by field, and where the header's limits lie (#21) --------------------
+def test_decoding_returns_every_field_the_entry_was_written_with():
+    e = decode(bytes(memoryview(golden_entry().blob)), expect_key=bytes(range(32)))
+    assert (e.key, e.kind, e.namespace, e.parent, e.cost_s, e.ttl_s, e.meta) == (
+        bytes(range(32)), "golden", "ns", bytes(32 * [7]), 1.25, 60.0, {"a": "b"})
+    assert e.size == len(memoryview(golden_entry().blob)) and e.blob is not None
+    assert e.dtypes == {"f32": "F32", "bf16": "BF16", "i8": "I8", "i64": "I64"}
+    assert e.tensors["f32"].tolist() == [[1.5, -2.0], [0.25, 3.0]] and e.tensors["i64"].tolist() == [2**40]
+    assert not any(t.flags.writeable for t in e.tensors.values())
+    assert list(e.tensors) == sorted(e.tensors)  # by name, whatever order the file holds them in
+    plain = roundtrip({"x": np.zeros(2, np.float32)})
+    assert (plain.parent, plain.ttl_s, plain.meta, plain.namespace) == (None, None, {}, "")
+
+
+def test_empty_tensors_keep_their_dtype_and_shape():
+    e = roundtrip({"a": np.zeros((0, 3), np.int32), "b": np.zeros((2, 0), np.float16), "c": np.ones(2, np.int8)})
+    assert (e.tensors["a"].dtype, e.tensors["a"].shape) == (np.dtype("<i4"), (0, 3))
+    assert (e.tensors["b"].dtype, e.tensors["b"].shape) == (np.dtype("<f2"), (2, 0))
+
+
+def resealed(blob: bytes, edit) -> bytes:
+    """``blob`` with its header edited by ``edit(header)`` and a valid checksum again: only the edit is wrong."""
+    import xxhash
+
+    from promptstore._codec import _canonical
+
+    hlen = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + hlen])
+    data = blob[8 + hlen :]
+    edit(header)
+    header["__metadata__"].pop("checksum", None)
+    digest = xxhash.xxh3_128(data)
+    digest.update(_canonical(header))
+    header["__metadata__"]["checksum"] = "xxh3_128:" + digest.hexdigest()
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data
+
+
+def test_a_resealed_header_is_read_as_it_says():
+    """The helper itself: an edit that changes nothing decodes; one that changes the meta is read."""
+    blob = bytes(memoryview(golden_entry().blob))
+    assert decode(resealed(blob, lambda h: None)).meta == {"a": "b"}
+    assert decode(resealed(blob, lambda h: h["__metadata__"].update(meta='{"a":"c"}'))).meta == {"a": "c"}
+
+
+def _set_meta(field, value):
+    return lambda h: h["__metadata__"].update({field: value})
+
+
+@pytest.mark.parametrize("edit", [
+    _set_meta("meta", '{"a":1}'),  # user metadata values are strings
+    _set_meta("meta", '{"a":"b","c":["d"]}'),
+    _set_meta("meta", '["a"]'),
+    _set_meta("parent", "07" * 31),  # a parent is a 32-byte key
+    _set_meta("key", "00" * 31),
+    _set_meta("version", "0000002"),  # seven digits
+    # Each below keeps the byte count right, so that only the rule it breaks can refuse it.
+    lambda h: h["f32"].update(shape=[4, True]),  # a bool is not a dimension
+    lambda h: h["f32"].update(shape=[-4, -1]),
+    lambda h: h["i64"].update(data_offsets=[False, 8]),  # i64 comes first (widest): bytes 0-8
+    lambda h: h["f32"].update(shape=[2, 2] + [1] * 15),  # 17 dimensions
+], ids=["meta-int", "meta-list", "meta-not-dict", "short-parent", "short-key", "long-version", "bool-dim",
+        "negative-dim", "bool-offset", "17-dims"])
+def test_headers_that_break_a_rule_are_corrupt_even_with_a_valid_checksum(edit):
+    blob = bytes(memoryview(golden_entry().blob))
+    with pytest.raises(CorruptEntryError):
+        decode(resealed(blob, edit))
+
+
+def test_the_byte_counts_of_the_edits_above_are_right():
+    blob = bytes(memoryview(golden_entry().blob))
+    hlen = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + hlen])
+    assert header["i64"]["data_offsets"] == [0, 8] and header["f32"]["shape"] == [2, 2]
+
+
+def test_the_header_limits_are_inclusive():
+    from promptstore._codec import MAX_NDIM
+
+    e = roundtrip({"x": np.zeros((1,) * MAX_NDIM, np.float32)})  # exactly the most dimensions
+    assert e.tensors["x"].ndim == MAX_NDIM
+    blob = bytes(memoryview(golden_entry().blob))
+    assert decode(resealed(blob, _set_meta("version", "000002"))).kind == "golden"  # six digits, version 2
+    assert decode(blob[:8] + blob[8:]).kind == "golden"
+
+
+def test_a_header_of_exactly_the_largest_size_is_read(monkeypatch):
+    import promptstore._codec as codec
+
+    blob = bytes(memoryview(golden_entry().blob))
+    hlen = int.from_bytes(blob[:8], "little")
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", hlen)
+    assert decode(blob).kind == "golden"
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", hlen - 1)
+    with pytest.raises(CorruptEntryError):
+        decode(blob)
+
+
+@pytest.mark.parametrize("total", [0, 7, 8])
+def test_entries_too_short_for_a_header_are_corrupt(total):
+    with pytest.raises(CorruptEntryError):
+        decode(bytes(memoryview(golden_entry().blob))[:total])

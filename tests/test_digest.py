@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -206,3 +208,139 @@ def test_tensors_made_on_the_fly_are_never_tied_by_a_reused_address(lib):
     for _ in range(40):
         assert digest_tensors("m", on_the_fly(ws)) == truth
         assert digest_tensors("m", on_the_fly(other)) == truth_other
+
+
+def test_the_memo_lives_where_the_environment_says(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(tmp_path / "m.sqlite3"))
+    assert digest.digest_memo_path() == tmp_path / "m.sqlite3"
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", "")
+    assert digest.digest_memo_path() is None  # empty turns the memo off
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", "~/x.sqlite3")
+    assert digest.digest_memo_path() == Path("~/x.sqlite3").expanduser()
+    monkeypatch.delenv("PROMPTSTORE_DIGESTS")
+    import platformdirs
+
+    assert digest.digest_memo_path() == Path(platformdirs.user_cache_dir("promptstore-digests", appauthor=False)) / "digests.sqlite3"
+
+
+def _halves(t) -> tuple[bytes, bytes]:
+    out = digest.device_word_digest(torch, t).tobytes()
+    assert len(out) == 16
+    return out[:8], out[8:]
+
+
+def _both_change(a, b) -> bool:
+    x, y = _halves(a), _halves(b)
+    return x[0] != y[0] and x[1] != y[1]
+
+
+def test_each_device_sum_sees_every_bit_of_every_word(monkeypatch):
+    """Both 8-byte sums change for a flip of any bit (the top one too) at any position, and for swapped words."""
+    monkeypatch.setattr(digest, "_CHUNK_WORDS", 64)
+    monkeypatch.setattr(digest, "_MULTIPLIERS", {})
+    t = torch.randint(-2**31, 2**31 - 1, (200,), dtype=torch.int32)
+    for i in range(200):
+        for bit in (0, 17, 31):
+            u = t.clone()
+            u[i] ^= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32) if bit < 31 else torch.tensor(-2**31, dtype=torch.int32)
+            assert _both_change(t, u), (i, bit)
+    for i, j in ((0, 1), (3, 60), (10, 130), (64, 128)):
+        u = t.clone()
+        u[i], u[j] = t[j], t[i]
+        assert _both_change(t, u), (i, j)
+    # Only the first chunk changed: a sum that kept only the last chunk's part would not see it.
+    u = t.clone()
+    u[5] += 1
+    assert _both_change(t, u)
+    assert _halves(t) == _halves(t.clone())
+
+
+def test_device_sums_see_a_change_in_a_trailing_partial_word():
+    t = torch.arange(4001, dtype=torch.int64).to(torch.uint8)  # 4001 bytes: the last word is padded
+    u = t.clone()
+    u[-1] ^= 1
+    assert _both_change(t, u)
+    assert _halves(t) == _halves(t.clone())
+
+
+def test_a_deleted_mapped_file_next_to_a_live_one_is_digested_from_its_bytes(tmp_path, monkeypatch):
+    """The page proof stats every mapped file; one deleted since it was mapped must not break the others."""
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)  # written just now: let b's digest be remembered
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    n = 1 << 15  # 128 KB each: above the size whose pages are looked at
+    np.arange(n, dtype=np.float32).tofile(a)
+    np.arange(n, dtype=np.float32)[::-1].copy().tofile(b)
+    ma = torch.from_file(str(a), shared=False, size=n, dtype=torch.float32)
+    a.unlink()
+    mb = torch.from_file(str(b), shared=False, size=n, dtype=torch.float32)
+    ma.sum(), mb.sum()  # fault the pages in: a page not present is hashed, never trusted
+    got = digest_tensors("m", [("a", ma), ("b", mb)])
+    assert got == digest_tensors("m", [("a", ma.clone()), ("b", mb.clone())])
+    assert got == digest_tensors("m", [("a", ma), ("b", mb)])  # and again, with b remembered
+
+
+def test_file_digest_is_the_files_bytes_and_follows_an_edit(tmp_path, monkeypatch):
+    import os
+
+    import xxhash
+
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)
+    path = tmp_path / "w.bin"
+    data = np.random.default_rng(0).integers(0, 255, (1 << 22) + 123, dtype=np.uint8).tobytes()  # over one read
+    path.write_bytes(data)
+    assert digest.file_digest(path) == xxhash.xxh3_128_hexdigest(data)
+    assert digest.file_digest(str(path)) == xxhash.xxh3_128_hexdigest(data)  # remembered: the same
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # one byte, size kept, timestamps restored: only ctime moves
+        f.seek(10)
+        f.write(bytes([data[10] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    edited = data[:10] + bytes([data[10] ^ 1]) + data[11:]
+    assert digest.file_digest(path) == xxhash.xxh3_128_hexdigest(edited)
+
+
+def test_a_memo_row_that_is_not_a_16_byte_digest_is_ignored(tmp_path, monkeypatch):
+    import os
+    import sqlite3
+
+    import xxhash
+
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(tmp_path / "memo.sqlite3"))
+    monkeypatch.setattr(digest, "_memo", digest._Memo())
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"weights" * 1000)
+    want = digest.file_digest(path)  # creates the memo and its row
+    ident = digest._identity(os.stat(path))
+    with sqlite3.connect(tmp_path / "memo.sqlite3") as db:
+        db.execute("UPDATE digests SET digest = ? WHERE ino = ?", ("0123456789abcdef", ident[1]))  # text, 16 long
+    monkeypatch.setattr(digest, "_memo", digest._Memo())  # a fresh process reads the memo
+    assert digest.file_digest(path) == want == xxhash.xxh3_128_hexdigest(b"weights" * 1000)
+
+
+def test_a_file_is_settled_only_once_both_its_timestamps_are_old_enough():
+    import time
+
+    now = time.time_ns()
+    old, recent, future = now - 3 * 10**9, now - 10**9, now + 100 * 10**9
+    assert digest._settled((0, 0, 0, old, old))
+    assert not digest._settled((0, 0, 0, recent, recent))  # inside the racy window (2 s)
+    assert not digest._settled((0, 0, 0, future, old))  # an mtime set in the future
+    assert not digest._settled((0, 0, 0, old, recent))
+
+
+def test_a_memo_whose_table_went_away_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    import sqlite3
+
+    import xxhash
+
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(tmp_path / "memo.sqlite3"))
+    monkeypatch.setattr(digest, "_memo", digest._Memo())
+    one, two = tmp_path / "one.bin", tmp_path / "two.bin"
+    one.write_bytes(b"1" * 5000)
+    two.write_bytes(b"2" * 5000)
+    digest.file_digest(one)  # opens the memo
+    with sqlite3.connect(tmp_path / "memo.sqlite3") as db:
+        db.execute("DROP TABLE digests")  # another process, or a user, removed it
+    assert digest.file_digest(two) == xxhash.xxh3_128_hexdigest(b"2" * 5000)

@@ -117,3 +117,25 @@ def test_bad_key_fields():
         make_key(3, "x")  # type: ignore[arg-type]
     with pytest.raises(InvalidKeyError):
         make_key("k", "x", fingerprints=[None])  # type: ignore[list-item]
+
+
+def test_chain_limits_are_inclusive():
+    """The largest token id and a one-token block are valid; a bool is not a block size."""
+    root = make_key("r")
+    assert len(chain_keys(root, [0, 2**31 - 1], 1)) == 2
+    assert chain_keys(root, [5, 6, 7], np.int64(1)) == chain_keys(root, [5, 6, 7], 1)
+    for bad in (True, False, 2.0, "2"):
+        with pytest.raises(InvalidKeyError):
+            chain_keys(root, [1, 2], bad)
+
+
+def test_the_default_payload_is_empty():
+    assert make_key("k") == make_key("k", b"") == make_key("k", "")
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"kind": 3}, "kind"), ({"payload": 3}, "payload"),
+                                               ({"namespace": 3}, "namespace"), ({"fingerprints": [3]}, "fingerprint")])
+def test_a_bad_key_field_is_named_in_the_error(kwargs, field):
+    args = {"kind": "k", **kwargs}
+    with pytest.raises(InvalidKeyError, match=f"^{field} must be str or bytes"):
+        make_key(args.pop("kind"), **args)

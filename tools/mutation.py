@@ -1,0 +1,249 @@
+"""Mutation testing (``make mutation``): plant one-line bugs where a wrong key or a wrong reuse would be silent.
+
+mutmut 3 mutates each function, then runs only the tests that called that function during a
+recording run. Each group below pairs the modules it mutates with the test files that are meant to
+catch their bugs, so a mutant is never run against the whole suite (that would take hours here).
+
+The package is assembled as it is installed (``llm/`` as ``promptstore/llm``, ``live/`` as
+``promptstore/_live``...) in ``build/mutation/<group>``, because mutmut imports the mutated copy by
+the file's path. Results stay there: a second run retests only mutants of changed functions.
+
+    python tools/mutation.py                 # every group, then the score
+    python tools/mutation.py core llm        # some groups
+    python tools/mutation.py --report        # the score of the last runs, and every survivor
+
+Survivors judged equivalent (no input can tell them apart from the original) are listed in
+``tools/mutation_equivalent.txt`` with a reason each; they are left out of the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "build" / "mutation"
+EQUIVALENT = REPO / "tools" / "mutation_equivalent.txt"
+
+# Where each source folder lives in the installed package (pyproject's package-dir).
+LAYOUT = {"promptstore": "promptstore", "llm": "promptstore/llm", "vision": "promptstore/vision", "live": "promptstore/_live"}
+
+# Lines whose mutants only change what a person reads (messages, warnings, docs) or how fast a
+# thing runs, never a key, a byte served or a decision: not mutated.
+SKIP_LINES = [
+    r"^\s*raise\s",
+    r"^\s*warnings\.warn\(",
+    r"^\s*_warn\(",
+    r"^\s*log\w*\.(debug|info|warning|error|exception)\(",
+    r"^\s*__all__\s*=",
+]
+
+
+@dataclass(frozen=True)
+class Group:
+    """Modules to mutate, the functions of each that count (``*``: all), and the tests meant to catch them."""
+
+    name: str
+    functions: dict[str, tuple[str, ...]]  # installed path -> functions ("f", "Class.method", or "*")
+    tests: tuple[str, ...]
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.functions)
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """mutmut's mutant names for the functions (``module.x_f__mutmut_N``, ``module.xǁClassǁm__mutmut_N``)."""
+        out = []
+        for path, names in self.functions.items():
+            module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            for name in names:
+                if name == "*":
+                    out.append(f"{module}.*")
+                elif "." in name:
+                    cls, method = name.split(".")
+                    out.append(f"{module}.x\u01c1{cls}\u01c1{method}__mutmut_*")
+                else:
+                    out.append(f"{module}.x_{name}__mutmut_*")
+        return tuple(out)
+
+
+ALL = ("*",)
+GROUPS = [
+    # Key recipes, the tensor digest, and the entry format's read path.
+    # The digest memo's SQLite plumbing (opening, schema) is left out: a fault there loses the
+    # memo, never changes a digest, and each such mutant would run every digest test to no end.
+    Group("core", {"promptstore/_keys.py": ALL,
+                   "promptstore/_digest.py": ("digest_memo_path", "_Memo.get", "_Memo.put", "_identity", "file_digest",
+                                              "_Pages.__init__", "_Pages._bad_pages", "_Pages.file_range", "_frame",
+                                              "_raw", "_multipliers", "device_word_digest", "_device_sums",
+                                              "_hash_bytes", "digest_tensors", "_settled", "_still", "_framed"),
+                   "promptstore/_codec.py": ("parse_header", "check_digest", "make_entry", "decode")},
+          ("tests/test_keys.py", "tests/test_digest.py", "tests/test_codec.py", "tests/test_weight_edits.py")),
+    # The disk tier's read paths: what a get serves, or drops as corrupt.
+    Group("disk", {"promptstore/_tiers/disk.py": (
+              "check_folder", "_read_into", "_pread_all", "_runs", "_other_version", "DiskTier._read", "DiskTier.get",
+              "DiskTier.get_into", "DiskTier._counted", "DiskTier.peek", "DiskTier.contains", "DiskTier._drop_corrupt")},
+          ("tests/test_tiers.py", "tests/test_store.py", "tests/test_versions.py")),
+    # LLM reuse: block and tail keys, what a lookup serves, passages placed, moved and chosen.
+    Group("llm", {
+        "promptstore/llm/_prefix.py": tuple(f"PrefixCache.{m}" for m in (
+            "_fingerprints", "_root_key", "_request_root", "_block_keys", "_fits", "_lookup_into", "_tail_key",
+            "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_tail")),
+        "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate"),
+        "promptstore/llm/_buffers.py": ("KVBuffers._allocate", "copy_block")},
+          ("tests/test_llm.py", "tests/test_chunks.py")),
+    # Vision reuse: class-prompt, zero-shot and OWL keys and what a hit returns.
+    Group("vision", {
+        "promptstore/vision/_classes.py": ("vocabulary_payload", "_names_from_payload", "npz_source", "_source_key",
+                                           "_read_source", "Recipes.text", "Recipes.pe", "Recipes.vocabulary",
+                                           "encode_and_store", "detector_fingerprint", "_classes_from_source"),
+        "promptstore/vision/_zeroshot.py": ("tower_fingerprint", "_render", "_feature_dtype", "_storable", "_tensor",
+                                            "_features"),
+        "promptstore/vision/_owl.py": ("owl_query_fingerprint", "_query_embeddings"),
+        "promptstore/vision/_encoders.py": ("_BatchedEncoder.fingerprint", "_BatchedEncoder._live_identity",
+                                            "_BatchedEncoder._record_built", "OpenCLIPTextEncoder._source_fingerprint",
+                                            "UltralyticsTextEncoder._source_fingerprint")},
+          ("tests/test_vision.py", "tests/test_zeroshot.py", "tests/test_owl.py", "tests/test_live_vision.py")),
+    # What a live model, tower or tokenizer is, as it runs now.
+    Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
+                       "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,
+                       "promptstore/_live/_tokenizers.py": ALL, "promptstore/llm/_fingerprint.py": ALL},
+          ("tests/test_live_llm.py", "tests/test_live_vision.py", "tests/test_weight_edits.py")),
+]
+BY_NAME = {g.name: g for g in GROUPS}
+
+
+def _mutmut() -> str:
+    exe = Path(sys.executable).with_name("mutmut")
+    if not exe.exists():
+        sys.exit("mutmut is not installed in this environment: pip install 'promptstore[mutation]'")
+    return str(exe)
+
+
+def _toml_list(items: list[str] | tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def stage(group: Group) -> Path:
+    """The package as installed, the tests, and mutmut's settings, in ``build/mutation/<group>``."""
+    root = OUT / group.name
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "promptstore"
+    if src.exists():
+        shutil.rmtree(src)
+    for folder, target in LAYOUT.items():
+        shutil.copytree(REPO / folder, root / target, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", *(f for f in LAYOUT if f != "promptstore")))
+    if (root / "tests").exists():
+        shutil.rmtree(root / "tests")
+    shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    pytest_opts = ["-p", "no:cacheprovider", "-m", "not slow", "-W", "ignore"]
+    (root / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        'source_paths = ["promptstore"]\n'
+        f"only_mutate = {_toml_list(group.files)}\n"
+        f"do_not_mutate_patterns = {_toml_list(SKIP_LINES)}\n"
+        f"pytest_add_cli_args = {_toml_list(pytest_opts)}\n"
+        f"pytest_add_cli_args_test_selection = {_toml_list(group.tests)}\n"
+        "use_git_change_detection = false\n"
+        "timeout_multiplier = 4.0\n"
+        "timeout_constant = 30.0\n"
+        "\n[tool.pytest.ini_options]\n"
+        'testpaths = ["tests"]\n'
+        'markers = ["slow: long versions of the reliability suites"]\n'
+    )
+    return root
+
+
+def run(group: Group) -> int:
+    root = stage(group)
+    # One thread each: mutants run in processes forked from one that has run torch, and an
+    # OpenMP pool does not survive a fork (the child waits on threads it no longer has).
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    names = list(group.patterns)
+    print(f"== {group.name}: {', '.join(group.files)}", flush=True)
+    started = time.monotonic()
+    proc = subprocess.run([_mutmut(), "run", "--max-children", str(os.cpu_count() or 2), *names], cwd=root, env=env)
+    print(f"== {group.name}: {time.monotonic() - started:.0f} s, mutmut exit {proc.returncode}", flush=True)
+    return proc.returncode
+
+
+def _equivalent() -> dict[str, str]:
+    out: dict[str, str] = {}
+    if EQUIVALENT.exists():
+        for line in EQUIVALENT.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                name, _, reason = line.partition(" ")
+                out[name] = reason.strip()
+    return out
+
+
+STATUS = {0: "survived", 1: "killed", 3: "killed", 5: "no tests", 33: "no tests", 34: "skipped", 36: "timeout",
+          37: "killed", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
+
+
+def results(group: Group) -> dict[str, str]:
+    """Each mutant of the group's last run, by name, with its status."""
+    out: dict[str, str] = {}
+    for meta in (OUT / group.name / "mutants").rglob("*.py.meta"):
+        data = json.loads(meta.read_text())
+        for name, code in data.get("exit_code_by_key", {}).items():
+            if not any(fnmatch.fnmatchcase(name, p) for p in group.patterns):
+                continue
+            out[name] = STATUS.get(code, "suspicious")
+    return out
+
+
+def report(groups: list[Group]) -> float:
+    """Print the score per group and over all, and each survivor; returns the overall score in percent."""
+    equivalent = _equivalent()
+    caught = total = 0
+    for group in groups:
+        res = results(group)
+        if not res:
+            print(f"{group.name}: not run")
+            continue
+        counted = {n: s for n, s in res.items() if n not in equivalent}
+        # A mutant that makes the tests hang is caught (a user would notice); one no test reaches is not.
+        killed = sum(s in ("killed", "timeout") for s in counted.values())
+        left = sorted(n for n, s in counted.items() if s not in ("killed", "timeout"))
+        caught += killed
+        total += len(counted)
+        eq = len(res) - len(counted)
+        print(f"{group.name}: {killed}/{len(counted)} caught ({100 * killed / max(len(counted), 1):.1f}%), "
+              f"{eq} equivalent left out")
+        for name in left:
+            print(f"    {counted[name]:<11} {name}")
+    score = 100 * caught / max(total, 1)
+    print(f"mutation score: {caught}/{total} = {score:.1f}%")
+    return score
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("groups", nargs="*", help=f"groups to run (default: all): {', '.join(BY_NAME)}")
+    parser.add_argument("--report", action="store_true", help="only print the last runs' results")
+    args = parser.parse_args()
+    unknown = [g for g in args.groups if g not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown group(s) {unknown}; groups: {', '.join(BY_NAME)}")
+    groups = [BY_NAME[g] for g in args.groups] or GROUPS
+    if not args.report:
+        for group in groups:
+            if run(group) not in (0,):
+                print(f"mutmut did not finish group {group.name}", file=sys.stderr)
+    report(groups)
+
+
+if __name__ == "__main__":
+    main()
