@@ -67,8 +67,12 @@ def _model_digest(backend: Any, stamp: str) -> str:
     return digest
 
 
-def describe_backend(walk: Walk, v: Any, path: str) -> None:
-    """A ``tokenizers`` object: a whole Tokenizer by its parts, any other part by its serialised state."""
+def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False) -> None:
+    """A ``tokenizers`` object: a whole Tokenizer by its parts, any other part by its serialised state.
+
+    ``per_call``: the backend of a transformers fast tokenizer, which sets truncation, padding and
+    special-token splitting before every encode; what they hold now is left out.
+    """
     import tokenizers
 
     if isinstance(v, tokenizers.Tokenizer):
@@ -79,8 +83,9 @@ def describe_backend(walk: Walk, v: Any, path: str) -> None:
         for name in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
             walk.emit(f"{name}:{_state(getattr(v, name))}")
         walk.emit(f"added:{added!r}")
-        walk.emit(f"truncation:{v.truncation!r}:padding:{v.padding!r}:encode_special_tokens:"
-                  f"{getattr(v, 'encode_special_tokens', None)!r}")
+        if not per_call:
+            walk.emit(f"truncation:{v.truncation!r}:padding:{v.padding!r}:encode_special_tokens:"
+                      f"{getattr(v, 'encode_special_tokens', None)!r}")
         walk.emit(f"model:{stamp}:{_model_digest(v, stamp)}")
         return
     getstate = getattr(v, "__getstate__", None)

@@ -269,6 +269,7 @@ class Walk:
         self.root_ignore: frozenset[str] = frozenset()  # attributes of the root module left out
         self.strings: set[str] = set()  # every string in the state (the keys registries are read with)
         self._registries: list[tuple[Any, str, int]] = []
+        self._per_call: set[int] = set()  # ids of backends whose owner sets truncation and padding each call
         # Every read the description rests on, to re-check cheaply on the next call (Reads).
         self.reads = Reads()
 
@@ -384,10 +385,11 @@ class Walk:
             from ._tokenizers import describe_backend
 
             # Rust state, invisible to the reads: described again on every check, compared as text.
+            per_call = id(v) in self._per_call
             start = len(self.lines)
-            describe_backend(self, v, path)
+            describe_backend(self, v, path, per_call=per_call)
             text = tuple(self.lines[start:])
-            self.reads.calls.append((lambda b=v, p=path: _backend_text(b, p), text))
+            self.reads.calls.append((lambda b=v, p=path, c=per_call: _backend_text(b, p, c), text))
         elif isinstance(v, (torch.Generator, random.Random)) or type(v).__name__ == "Generator" and "numpy" in type(v).__module__:
             raise Unidentifiable(path, "a random generator (its output is random)")
         else:
@@ -481,9 +483,12 @@ class Walk:
                     self.callable(attr, f"{path}.{key}", depth + 1)
                 else:
                     self.value(attr, f"{path}.{key}", depth + 1)
+        per_call_owner = _sets_backend_each_call(cls)
         for k in sorted(fields):
             if (config and k in CONFIG_PROVENANCE) or k in self.ignore:
                 continue
+            if per_call_owner and k == "_tokenizer":
+                self._per_call.add(id(fields[k]))
             self.emit(f"field:{k}")
             self.value(fields[k], f"{path}.{k}", depth + 1)
         self.emit("}")
@@ -605,12 +610,20 @@ class Walk:
             self.emit(f"object:{type(v).__module__}.{type(v).__qualname__}")
 
 
-def _backend_text(backend: Any, path: str) -> tuple[str, ...]:
+def _backend_text(backend: Any, path: str, per_call: bool) -> tuple[str, ...]:
     from ._tokenizers import describe_backend
 
     walk = Walk(None)
-    describe_backend(walk, backend, path)
+    describe_backend(walk, backend, path, per_call=per_call)
     return tuple(walk.lines)
+
+
+def _sets_backend_each_call(cls: type) -> bool:
+    """A transformers fast tokenizer: every encode sets its backend's truncation, padding and
+    special-token splitting from its own options first (``set_truncation_and_padding``), so
+    what the backend holds between calls (the last call's settings) never reaches an output."""
+    return any(k.__module__.startswith("transformers.") and k.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+               for k in cls.__mro__)
 
 
 def _plain_class(cls: type) -> bool:

@@ -266,3 +266,35 @@ def test_a_patched_tokenizer_method_other_than_call_misses(store, monkeypatch):
     original = type(tok).encode
     monkeypatch.setattr(type(tok), "encode", lambda self, text: original(self, text)[::-1])
     zs_after(model, tok, store, "patched SimpleTokenizer.encode")
+
+
+def test_what_the_last_call_left_in_a_fast_tokenizers_backend_is_not_part_of_the_key(owl, store):
+    """A transformers fast tokenizer sets its backend's truncation and padding on every call: the
+    first detection (which leaves padding behind) and the second share one key."""
+    model, processor = owl
+    images = _images()
+    first = owl_detect(model, processor, OWL_QUERIES, images=images, store=store)
+    assert processor.tokenizer.backend_tokenizer.padding is not None  # what the first call left
+    n = len(store.ls(TEXT_KIND))
+    second = owl_detect(model, processor, OWL_QUERIES, images=images, store=store)
+    assert len(store.ls(TEXT_KIND)) == n and torch.equal(first.logits, second.logits)
+    processor.tokenizer("x")  # and back to no padding: still the same key
+    owl_detect(model, processor, OWL_QUERIES, images=images, store=store)
+    assert len(store.ls(TEXT_KIND)) == n
+
+
+def test_a_bare_backends_padding_is_part_of_the_identity():
+    """A tokenizers.Tokenizer used as it is keeps its padding between calls: that changes its output."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from promptstore._live import tokenizer_identity
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[PAD]": 2}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    holder = type("Holder", (), {})()
+    holder.backend = backend
+    before = tokenizer_identity(holder)
+    backend.enable_padding(pad_id=2, pad_token="[PAD]", length=8)
+    assert tokenizer_identity(holder) != before
+    backend.no_padding()
+    assert tokenizer_identity(holder) == before
