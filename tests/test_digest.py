@@ -344,3 +344,39 @@ def test_a_memo_whose_table_went_away_is_a_miss_not_an_error(tmp_path, monkeypat
     with sqlite3.connect(tmp_path / "memo.sqlite3") as db:
         db.execute("DROP TABLE digests")  # another process, or a user, removed it
     assert digest.file_digest(two) == xxhash.xxh3_128_hexdigest(b"2" * 5000)
+
+
+def test_empty_tensors_digest_by_dtype_and_shape():
+    e = digest_tensors("m", [("e", torch.zeros(0))])
+    assert e == digest_tensors("m", [("e", torch.zeros(0))]) != digest_tensors("m", [("e", torch.zeros(0, 3))])
+    assert digest_tensors("m", [("e", np.zeros(0, np.float32))]) != digest_tensors("m", [("e", np.zeros((0, 2), np.float32))])
+
+
+def test_the_same_bytes_in_another_dtype_digest_apart():
+    z = torch.zeros(4, dtype=torch.float32)
+    assert digest_tensors("m", [("w", z)]) != digest_tensors("m", [("w", z.view(torch.int32))])
+
+
+def test_a_name_with_a_lone_surrogate_is_digested():
+    assert digest_tensors("m", [("w\ud800", torch.ones(2))]) != digest_tensors("m", [("w\ud801", torch.ones(2))])
+
+
+def test_tensors_after_a_tie_are_digested_and_ties_name_their_partner():
+    w, x, y = torch.ones(3), torch.zeros(3), torch.full((3,), 2.0)
+    assert digest_tensors("m", [("a", w), ("b", w), ("c", x)]) != digest_tensors("m", [("a", w), ("b", w), ("c", y)])
+    # c tied to a, or c tied to b: other models
+    assert digest_tensors("m", [("a", w), ("b", x), ("c", w)]) != digest_tensors("m", [("a", w), ("b", x), ("c", x)])
+
+
+def test_a_write_to_a_tensors_last_byte_alone_on_its_page_gets_a_fresh_digest(tmp_path, monkeypatch):
+    """The tensor's last byte is the first byte of a page: that page is the tensor's too."""
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)
+    path = tmp_path / "w.bin"
+    page = 4096
+    (np.arange(40 * page) % 251).astype(np.uint8).tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    w = mapped[: 20 * page + 1]  # 80 KB (pages are looked at), ending one byte into page 20
+    before = digest_tensors("m", [("w", w)])
+    assert digest_tensors("m", [("w", w)]) == before  # remembered now
+    w[20 * page] ^= 1  # only page 20 is written
+    assert digest_tensors("m", [("w", w)]) == digest_tensors("m", [("w", np.array(w))]) != before

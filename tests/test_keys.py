@@ -139,3 +139,10 @@ def test_a_bad_key_field_is_named_in_the_error(kwargs, field):
     args = {"kind": "k", **kwargs}
     with pytest.raises(InvalidKeyError, match=f"^{field} must be str or bytes"):
         make_key(args.pop("kind"), **args)
+
+
+def test_a_hex_key_is_the_key_it_spells():
+    store = PromptStore(memory_bytes="1MiB", disk_bytes=0)
+    key = make_key("k", "x")
+    store.put(key, {"x": np.ones(2, np.float32)}, kind="t")
+    assert store.get(key.hex()) is not None and store.get(bytearray(key)) is not None
