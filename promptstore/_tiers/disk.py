@@ -755,7 +755,9 @@ def _runs(arr: np.ndarray) -> list[memoryview]:
     try:
         rows.shape = (-1, expected // arr.itemsize)  # the outer dims merged, when their strides allow (no copy)
     except AttributeError:
-        return [arr[idx].reshape(-1).data for idx in np.ndindex(*arr.shape[:inner])]
+        # idx + (...,): a view even when idx names one element (arr[idx] alone is a copied scalar,
+        # and the bytes read into it would never reach arr).
+        return [arr[idx + (...,)].reshape(-1).data for idx in np.ndindex(*arr.shape[:inner])]
     return [r.data for r in rows]
 
 
