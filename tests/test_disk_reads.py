@@ -45,7 +45,8 @@ def test_reading_into_strided_views_fills_exactly_them(tmp_path, n_rows, width):
     t = tier(tmp_path)
     k = RNG.standard_normal((3, 2, n_rows, width)).astype(np.float32)
     v = RNG.standard_normal((3, 2, n_rows, width)).astype(np.float32)
-    stored(t, "kv", {"k": k, "v": v, "tokens": np.arange(n_rows, dtype=np.int32)})
+    big = RNG.standard_normal(300_000).astype(np.float32)  # read fresh, in runs of over a megabyte
+    stored(t, "kv", {"k": k, "v": v, "tokens": np.arange(n_rows, dtype=np.int32), "big": big})
     full_k, into_k = kv_layout_views(n_rows, width)
     full_v, into_v = kv_layout_views(n_rows, width)
     got = t.get_into(key_of("kv"), "test", "", {"k": into_k, "v": into_v})
@@ -55,6 +56,7 @@ def test_reading_into_strided_views_fills_exactly_them(tmp_path, n_rows, width):
     outside[:, 0, :, 5 : 5 + n_rows, :] = False
     assert (full_k[outside] == -7.0).all() and (full_v[outside] == -7.0).all()
     assert np.array_equal(got.tensors["tokens"], np.arange(n_rows)) and not got.tensors["tokens"].flags.writeable
+    assert np.array_equal(got.tensors["big"], big) and not got.tensors["big"].flags.writeable
 
 
 @pytest.mark.parametrize("make", [
@@ -73,6 +75,20 @@ def test_reading_into_any_layout_equals_a_plain_read(tmp_path, make):
     got = t.get_into(key_of("a"), "test", "", {"a": dst})
     assert got is not None and got.tensors["a"] is dst and np.array_equal(dst, a)
     assert np.array_equal(t.get(key_of("a")).tensors["a"], a)
+
+
+@pytest.mark.parametrize(("shape", "make"), [
+    ((1, 9), lambda: np.zeros((1, 27), np.float32)[:, ::3]),  # one row, its elements apart
+    ((3, 5, 5), lambda: np.zeros((3, 9, 5), np.float32)[:, ::2, :]),  # rows whose outer dims do not merge
+    ((2, 1, 6), lambda: np.zeros((2, 3, 6), np.float32)[:, 1:2, :]),  # a size-1 dim that is not contiguous
+], ids=["one-strided-row", "unmergeable-rows", "unit-dim-gap"])
+def test_reading_into_rows_that_do_not_merge(tmp_path, shape, make):
+    t = tier(tmp_path)
+    a = RNG.standard_normal(shape).astype(np.float32)
+    stored(t, "a", {"a": a})
+    dst = make()
+    assert dst.shape == shape
+    assert t.get_into(key_of("a"), "test", "", {"a": dst}) is not None and np.array_equal(dst, a)
 
 
 def test_reading_into_0d_and_empty_arrays(tmp_path):
@@ -161,6 +177,8 @@ def test_an_entry_is_gone_the_moment_it_expires(tmp_path):
     t.flush()
     clock.now = t.get(key_of("a")).last_hit + 10.0  # exactly when its TTL (sliding) runs out
     assert t.contains(key_of("a")) is None and t.get(key_of("a")) is None
+    usage = t.usage()
+    assert usage["entries"] == 0 and usage["lifetime"]["expirations"] == 1  # removed on that read, and counted
 
 
 def test_a_dropped_corrupt_entry_is_gone_from_index_and_folder(tmp_path):
@@ -191,8 +209,58 @@ def test_gc_keeps_an_orphan_file_of_another_release_and_removes_a_broken_one(tmp
     shutil.copyfile(src, other)
     broken = shard / f"{key_of('b').hex()}.999999-bbbb{SUFFIX}"
     broken.write_bytes(b"not an entry at all" * 10)
+    stored(theirs, "c", {"a": np.ones(4, np.float32)})  # and an orphan of this release (written above by theirs)
+    ours = next(p for p in (tmp_path / "theirs" / "store" / "entries").rglob("*" + SUFFIX) if key_of("c").hex() in p.name)
+    (tmp_path / "mine" / "store" / "entries" / key_of("c").hex()[:2]).mkdir(exist_ok=True)
+    orphan = tmp_path / "mine" / "store" / "entries" / key_of("c").hex()[:2] / f"{key_of('c').hex()}.999999-cccc{SUFFIX}"
+    shutil.copyfile(ours, orphan)
     mine.gc()
     assert other.exists() and not broken.exists()
+    assert not orphan.exists() or mine.contains(key_of("c")) is not None  # removed or adopted, never left behind
+
+
+def test_misses_without_a_kind_are_counted_together(tmp_path):
+    t = tier(tmp_path)
+    assert t.get(key_of("x")) is None and t.get(key_of("y")) is None
+    stored(t, "z", {"a": np.ones(2, np.float32)})  # a write flushes the counts
+    assert t.usage()["lifetime"]["kinds"]["unknown"]["misses"] == 2
+
+
+def test_short_reads_resume_where_they_stopped(tmp_path, monkeypatch):
+    """The kernel may return fewer bytes than asked (signals, network file systems): reads go on from there."""
+    import os
+
+    t = tier(tmp_path)
+    k = RNG.standard_normal((3, 2, 50, 8)).astype(np.float32)
+    stored(t, "kv", {"k": k, "x": np.arange(1000, dtype=np.int64)})
+    real = os.preadv
+
+    def short(fd, buffers, offset):  # at most 7 bytes per call, wherever in a buffer that ends
+        left, out = 7, []
+        for b in buffers:
+            m = memoryview(b).cast("B")
+            out.append(m[:left])
+            left -= len(out[-1])
+            if not left:
+                break
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    full, into = kv_layout_views(50, 8)
+    got = t.get_into(key_of("kv"), "test", "", {"k": into})
+    assert got is not None and np.array_equal(into, k) and got.tensors["x"].tolist() == list(range(1000))
+    assert t.get(key_of("kv")).tensors["x"].tolist() == list(range(1000))
+
+
+def test_a_folder_holding_only_a_crashed_version_files_temp_is_a_new_store(tmp_path):
+    from promptstore._tiers.disk import VERSION_FILE
+
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / f".{VERSION_FILE}.12345-abcd").write_text("half written")  # a first start that died mid-way
+    t = DiskTier(root, budget=1 << 20)
+    stored(t, "a", {"a": np.ones(2, np.float32)})
+    assert t.get(key_of("a")) is not None
 
 
 def test_a_store_reading_through_the_disk_tier_serves_the_bytes_written(tmp_path):

@@ -731,10 +731,11 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
             continue
         if n == 0:
             return got
-        # A short read: resume inside the view it stopped in.
+        # A short read: resume inside the view it stopped in (n counts bytes: slice a byte view,
+        # not the caller's, whose items may be wider).
         for j, v in enumerate(batch):
             if n < v.nbytes:
-                views = [v[n:]] + batch[j + 1 :] + views[i + len(batch) :]
+                views = [v.cast("B")[n:]] + batch[j + 1 :] + views[i + len(batch) :]
                 i = 0
                 break
             n -= v.nbytes
