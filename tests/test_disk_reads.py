@@ -111,6 +111,15 @@ def test_an_entry_with_a_header_over_64_kb_is_read_into_and_read(tmp_path):
     assert t.get(key_of("big")).meta == meta
 
 
+def test_an_entry_that_is_all_header_is_read_into(tmp_path):
+    """Only empty tensors and over 64 KB of metadata: the header ends where the file does."""
+    t = tier(tmp_path)
+    meta = {f"m{i}": "y" * 1000 for i in range(80)}
+    stored(t, "h", {"e": np.zeros((0, 3), np.float32)}, meta=meta)
+    got = t.get_into(key_of("h"), "test", "", {"e": np.zeros((0, 3), np.float32)})
+    assert got is not None and got.meta == meta
+
+
 def test_a_file_holding_another_keys_entry_is_never_served(tmp_path):
     """An entry file swapped for another's (a copy, a bad restore): corrupt, dropped, and a miss for both reads."""
     t = tier(tmp_path)
