@@ -302,9 +302,11 @@ class PrefixCache:
         for side, full in zip(("k", "v"), buffers, strict=True):
             src = tail.tensors[side][:, :, :n, :]
             if full.device.type == "cuda":
+                # pragma: no mutate start (a GPU's path: tests/test_llm.py runs it on the GPU machine)
                 host = torch.empty((full.shape[0], full.shape[2], n, full.shape[4]), dtype=full.dtype)
                 copy_block(host_view(host), src, tail.dtypes[side], full.dtype)
                 full[:, 0, :, lo : lo + n, :].copy_(host.to(full.device))
+                # pragma: no mutate end
             else:
                 copy_block(host_view(full)[:, 0, :, lo : lo + n, :], src, tail.dtypes[side], full.dtype)
 
@@ -325,8 +327,10 @@ class PrefixCache:
         free: queue.SimpleQueue[Any] = queue.SimpleQueue()
         copies: list[Any] = []
         if not host:
+            # pragma: no mutate start (a GPU's path)
             for slot in self._buffers.staging_slots(self._get_layout(), self.block_tokens, 2 * workers):
                 free.put((slot, None))
+            # pragma: no mutate end
         local = threading.local()
 
         def fetch(i: int) -> bool:
@@ -337,11 +341,13 @@ class PrefixCache:
                 into = {side: host_view(full)[:, 0, :, lo : lo + bt, :]
                         for side, full in zip(("k", "v"), buffers, strict=True)}
             else:
+                # pragma: no mutate start (a GPU's path, as below)
                 slot, event = free.get()
                 if event is not None:
                     event.synchronize()  # the copy that read this slot has finished
                 event = None
                 into = {"k": host_view(slot[0]), "v": host_view(slot[1])}
+                # pragma: no mutate end
             try:
                 entry = self.store.get(keys[i], kind=KIND, into=into)
                 if entry is None or not self._fits(entry):
@@ -350,6 +356,7 @@ class PrefixCache:
                     if entry.tensors[side] is not dst:  # stored in another dtype: converted on the way
                         copy_block(dst, entry.tensors[side], entry.dtypes[side], buffers[0].dtype)
                 if not host:
+                    # pragma: no mutate start (a GPU's path: tests/test_llm.py runs it on the GPU machine)
                     stream = getattr(local, "stream", None)
                     if stream is None:
                         stream = local.stream = torch.cuda.Stream(device=buffers[0].device)
@@ -359,6 +366,7 @@ class PrefixCache:
                         event = torch.cuda.Event()
                         event.record(stream)
                     copies.append(event)
+                    # pragma: no mutate end
                 return True
             finally:
                 if slot is not None:
@@ -376,9 +384,11 @@ class PrefixCache:
                 for future in futures[found:]:
                     future.cancel()
         if copies:
+            # pragma: no mutate start (a GPU's path)
             current = torch.cuda.current_stream(buffers[0].device)
             for event in copies:
                 current.wait_event(event)  # the forward runs after every block has landed
+            # pragma: no mutate end
         return found
 
     def _allocate(self, capacity: int) -> tuple[Any, Any]:

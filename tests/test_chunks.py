@@ -385,3 +385,26 @@ def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
     segs = [anchor, passages[0], passages[1], question]
     _, logits = cc.prefill(segs)
     assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+
+
+def test_anchor_and_passage_boundaries_are_part_of_the_passage_key(tiny, store):
+    """[a, b] + [c, ...] and [a] + [b, c, ...]: the same tokens, split otherwise, are other passages."""
+    anchor, passages, question = segments(500, 24)
+    cc = ChunkCache(tiny, store=store, recompute=1.0)
+    cc.prefill([anchor, passages[0], question])
+    segs = [anchor[:-1], [anchor[-1]] + passages[0], question]
+    _, logits = cc.prefill(segs)
+    assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+    assert cc.stats["last"]["served"] <= len(anchor)  # the exact prefix only: the passage is another one
+
+
+def test_a_bfloat16_model_serves_its_stored_passages(store):
+    """The host path converts stored bfloat16 KV into the buffers (they are viewed as int16)."""
+    model = tiny_model(seed=4).to(torch.bfloat16)
+    anchor, passages, question = segments(500, 25)
+    cc = ChunkCache(model, store=store, recompute=0.0)
+    segs = [anchor, passages[0], passages[1], question]
+    _, first = cc.prefill(segs)  # computes and stores the passages
+    _, again = cc.prefill(segs)  # serves them
+    assert cc.stats["last"]["served"] == len(anchor) + len(passages[0]) + len(passages[1])
+    assert torch.equal(first, again)
