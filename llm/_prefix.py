@@ -41,6 +41,7 @@ from ._inputs import check_generation, check_lengths, refuse_padding
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
+_STORED_DTYPES = ("F64", "F32", "F16", "BF16")  # what stored KV may be: anything else under a key is a miss
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -212,7 +213,7 @@ class PrefixCache:
         want = (layers, heads, self.block_tokens, head_dim)
         try:
             return (tuple(entry.tensors["k"].shape) == want and tuple(entry.tensors["v"].shape) == want
-                    and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in ("F64", "F32", "F16", "BF16"))
+                    and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in _STORED_DTYPES)
         except KeyError:
             return False
 
@@ -290,7 +291,7 @@ class PrefixCache:
             k, v = tail.tensors.get("k"), tail.tensors.get("v")
             want = (layers, heads, r, head_dim)
             if (not 0 < r < self.block_tokens or k is None or v is None or k.shape != want or v.shape != want
-                    or tail.dtypes["k"] != tail.dtypes["v"]):
+                    or tail.dtypes["k"] != tail.dtypes["v"] or tail.dtypes["k"] not in _STORED_DTYPES):
                 return 0
         n = min(r, len(ids))
         differ = np.flatnonzero(tokens[:n].astype(np.int64) != ids[:n])

@@ -355,15 +355,16 @@ def recomputed_positions(tiny, segs, cache) -> tuple[np.ndarray, np.ndarray, np.
     return positions, positions[fresh.numpy()], deviation
 
 
+@pytest.mark.parametrize(("recompute", "seed"), [(0.25, 22), (0.4, 27), (0.05, 28)])
 @pytest.mark.parametrize("select", ["recent", "blend", "first"])
-def test_each_selection_recomputes_the_tokens_it_names(tiny, store, select):
+def test_each_selection_recomputes_the_tokens_it_names(tiny, store, select, recompute, seed):
     """recent: the moved tokens nearest the question; blend: the most-deviating ones; first: each passage's first."""
-    anchor, passages, question = segments(500, 22)
+    anchor, passages, question = segments(500, seed)
     segs = [anchor, *passages, question]
-    cc = ChunkCache(tiny, store=store, recompute=0.25, select=select)
+    cc = ChunkCache(tiny, store=store, recompute=recompute, select=select)
     cache, _ = cc.prefill(segs)
     positions, fresh, deviation = recomputed_positions(tiny, segs, cache)
-    count = round(0.25 * len(positions))
+    count = round(recompute * len(positions))
     assert len(fresh) == count
     if select == "recent":
         expected = positions[-count:]
@@ -408,3 +409,19 @@ def test_a_bfloat16_model_serves_its_stored_passages(store):
     _, again = cc.prefill(segs)  # serves them
     assert cc.stats["last"]["served"] == len(anchor) + len(passages[0]) + len(passages[1])
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize(("recompute", "want"), [(0.0, 0), (0.001, 0), (1 / 114 * 1.2, 1)])
+def test_a_budget_that_rounds_to_no_token_or_one_recomputes_that_many(store, recompute, want):
+    """The second request runs its question, plus what the budget rounds to (114 moved tokens here)."""
+    from counting import Counting
+
+    model = tiny_model(seed=7)
+    counter = Counting(model.get_input_embeddings())
+    anchor, passages, question = segments(500, 29)
+    cc = ChunkCache(model, store=store, recompute=recompute)
+    cc.prefill([anchor, *passages, question])
+    counter.reset()
+    segs = [anchor, passages[0], passages[3], passages[1], passages[2], question]
+    _, logits = cc.prefill(segs)
+    assert cc.stats["last"]["recomputed"] == want and counter.tokens == len(question) + want

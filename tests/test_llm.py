@@ -493,3 +493,93 @@ def test_a_longer_request_after_a_short_one_gets_buffers_that_fit(tiny, store):
         assert pc.stats["last"]["served"] == n - 10
         assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
         del cache
+
+
+def _kv(cache):
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize(("model_dtype", "kv_dtype"), [
+    (torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, None),
+    (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32), (torch.float64, None), (torch.float16, None)])
+def test_served_kv_is_the_stored_kv_converted_as_torch_converts_it(tmp_path, model_dtype, kv_dtype):
+    """Whatever the model's and the stored dtypes, a hit serves exactly ``kv.to(stored).to(model's)``."""
+    model = tiny_model(seed=6).to(model_dtype)
+    ids = np.random.default_rng(24).integers(0, 500, 40).tolist()
+    with torch.no_grad():
+        out = model(torch.as_tensor([ids]), use_cache=True)
+    ref = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    stored_dtype = kv_dtype or model_dtype
+    want = [(k.to(stored_dtype).to(model_dtype), v.to(stored_dtype).to(model_dtype)) for k, v in _kv(ref)]
+    with PromptStore(tmp_path / "s", memory_bytes=0) as s:
+        pc = PrefixCache(model, store=s, block_tokens=16, kv_dtype=kv_dtype)
+        pc.prefill(ids)
+        cache, n = pc.lookup(ids + [1])
+        assert n == 40
+        for (k, v), (wk, wv) in zip(_kv(cache), want, strict=True):
+            assert k.dtype == model_dtype and torch.equal(k[:, :, :40], wk[:, :, :40]) and torch.equal(v[:, :, :40], wv[:, :, :40])
+
+
+def _restore(store, key, entry):
+    store.delete(key)
+    store.put(key, entry[0], kind="llm.kv", parent=entry[1], meta=entry[2])
+
+
+@pytest.mark.parametrize("damage", ["v-shape", "no-v", "dtypes-differ", "int-kv", "tokens-2d", "no-tokens", "full-length"])
+def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
+    ids = np.random.default_rng(25).integers(0, 500, 30).tolist()
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(ids[:16] + [1])  # block 0
+    parent = pc._block_keys(np.array(ids), 1)[0]
+    good = np.zeros((3, 2, 10, 16), np.float32)
+    tensors = {"tokens": np.array(ids[16:26], np.int32), "k": good, "v": good}
+    if damage == "v-shape":
+        tensors["v"] = np.zeros((3, 2, 9, 16), np.float32)
+    elif damage == "no-v":
+        del tensors["v"]
+    elif damage == "dtypes-differ":
+        tensors["v"] = good.astype(np.float16)
+    elif damage == "int-kv":
+        tensors["k"] = tensors["v"] = good.astype(np.int32)
+    elif damage == "tokens-2d":
+        tensors["tokens"] = tensors["tokens"][None]
+    elif damage == "no-tokens":
+        del tensors["tokens"]
+    elif damage == "full-length":
+        tensors = {"tokens": np.array(ids[16:32] + [0] * (32 - len(ids)), np.int32)[:16],
+                   "k": np.zeros((3, 2, 16, 16), np.float32), "v": np.zeros((3, 2, 16, 16), np.float32)}
+    store.put(pc._tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent)
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["served"] == 16
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("damage", ["v-shape", "dtypes-differ", "int-kv", "f64-v"])
+def test_a_malformed_stored_block_is_a_clean_miss(tiny, store, damage):
+    ids = list(range(50))
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    key = pc._block_keys(np.array(ids), 1)[0]
+    good = np.zeros((3, 2, 16, 16), np.float32)
+    tensors = {"k": good, "v": good}
+    if damage == "v-shape":
+        tensors["v"] = np.zeros((3, 2, 8, 16), np.float32)
+    elif damage == "dtypes-differ":
+        tensors["v"] = good.astype(np.float16)
+    elif damage == "int-kv":
+        tensors = {"k": good.astype(np.int32), "v": good.astype(np.int32)}
+    elif damage == "f64-v":
+        tensors["v"] = good.astype(np.float64)
+    store.put(key, tensors, kind="llm.kv")
+    assert pc.lookup(ids) == (None, 0)
+    _, logits = pc.prefill(ids)
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_a_one_token_tail_is_reused(tiny, store):
+    ids = np.random.default_rng(26).integers(0, 500, 17).tolist()  # one block and one token
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(ids)
+    counter = TokenCounter(tiny)
+    _, logits = pc.prefill(ids + [3])
+    assert pc.stats["last"]["served"] == 17 and counter.n == 1
+    assert (logits - full_logits(tiny, ids + [3])).abs().max().item() <= ATOL
