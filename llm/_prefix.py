@@ -397,13 +397,13 @@ class PrefixCache:
 
     # -- storing --------------------------------------------------------------------------
     def _store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
-                      seconds_per_token: float) -> int:
+                      seconds_per_token: float) -> None:
         import torch
 
         n = min(n_in_cache, len(ids))
         last_block = n // self.block_tokens
         if last_block <= first_block and n == last_block * self.block_tokens:
-            return 0
+            return
         held = cache.get_seq_length()
         if held != n_in_cache:
             # The cache does not hold exactly these tokens (MPT's generate re-feeds the whole
@@ -411,10 +411,9 @@ class PrefixCache:
             # KV under right tokens. Found by tests/llm_zoo.py.
             warnings.warn(f"promptstore: {type(self.model).__name__} left {held} positions in the KV cache for "
                           f"{n_in_cache} tokens; nothing stored from it", PromptStoreWarning, stacklevel=3)
-            return 0
+            return
         keys = self._block_keys(ids, last_block)
         kv = kv_layers(cache)
-        stored = 0
         for b in range(first_block, last_block):
             if keys[b] in self.store:
                 continue
@@ -433,22 +432,19 @@ class PrefixCache:
                 self.store.put(self._tail_key(parent, int(ids[lo])), {"tokens": ids[lo:hi].astype(np.int32)},
                                kind=KIND, cost_s=seconds_per_token * self.block_tokens, parent=keys[b],
                                meta={"full": str(b)})
-            stored += 1
         lo = last_block * self.block_tokens
         if n > lo:
-            stored += self._store_tail(ids[lo:n], kv, lo, keys[last_block - 1] if last_block else None,
-                                       seconds_per_token)
-        return stored
+            self._store_tail(ids[lo:n], kv, lo, keys[last_block - 1] if last_block else None, seconds_per_token)
 
     def _store_tail(self, tokens: np.ndarray, kv: list[tuple[Any, Any]], lo: int, parent: bytes | None,
-                    seconds_per_token: float) -> int:
+                    seconds_per_token: float) -> None:
         """Store the partial block after the last full one (tokens and their KV), unless one stored covers it."""
         import torch
 
         key = self._tail_key(parent, int(tokens[0]))
         old = self.store.peek(key)
         if old is not None and len(tokens) <= self._shared(old, tokens.astype(np.int64)):
-            return 0  # the stored tail already starts with all of these tokens
+            return  # the stored tail already starts with all of these tokens
         hi = lo + len(tokens)
         with torch.no_grad():
             k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
@@ -456,7 +452,6 @@ class PrefixCache:
         self.store.put(key, {"tokens": tokens.astype(np.int32), "k": self._to_stored(k), "v": self._to_stored(v)},
                        kind=KIND, cost_s=seconds_per_token * len(tokens), parent=parent,
                        meta={"tail": str(len(tokens)), "tokens": str(self.block_tokens)})
-        return 1
 
     def _to_stored(self, t: Any) -> Any:
         import torch

@@ -583,3 +583,20 @@ def test_a_one_token_tail_is_reused(tiny, store):
     _, logits = pc.prefill(ids + [3])
     assert pc.stats["last"]["served"] == 17 and counter.n == 1
     assert (logits - full_logits(tiny, ids + [3])).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_model_converted_live_gets_buffers_of_its_new_dtype(store, dtype):
+    """The pool holds the last requests' buffers: after model.to(dtype) none of them may be reused."""
+    model = tiny_model(seed=8)
+    pc = PrefixCache(model, store=store, block_tokens=16)
+    ids = np.random.default_rng(27).integers(0, 500, 60).tolist()
+    for _ in range(2):
+        pc.prefill(ids)  # float32 buffers in the pool, free again
+    model.to(dtype)
+    pc.prefill(ids)  # another dtype, other keys: stored again
+    cache, logits = pc.prefill(ids + [9])  # and served, through the pool
+    assert pc.stats["last"]["served"] == 60
+    assert all(layer.keys.dtype == dtype for layer in cache.layers)
+    tol = 5e-2 if dtype == torch.bfloat16 else ATOL
+    assert (logits.float() - full_logits(model, ids + [9]).float()).abs().max().item() <= tol
