@@ -67,8 +67,10 @@ class KVBuffers:
         # One buffer per side for all layers; each block is copied once, straight into the
         # final per-layer tensors (views of these).
         if device.type == "cuda":
+            # pragma: no mutate start (a GPU's buffers: no GPU here)
             return (torch.empty(shape, dtype=dtype, device=device),
                     torch.empty(shape, dtype=dtype, device=device))
+            # pragma: no mutate end
         # A pair whose every tensor is gone (the caller dropped that request's cache) is reused:
         # its pages are already faulted in, so a load costs the copy and little else.
         np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype

@@ -286,7 +286,7 @@ class ChunkCache:
         # CacheBlend: recompute layer 1's values of every candidate in the new context (layer 0's KV
         # is already exact: it sees no other token's state) and keep those that moved most.
         deviation = self._deviation(ids, buffers, candidates)
-        top = np.argpartition(-deviation, count - 1)[:count]
+        top = np.argsort(-deviation, kind="stable")[:count]
         return np.sort(candidates[top])
 
     def _deviation(self, ids: np.ndarray, buffers: tuple[Any, Any], candidates: np.ndarray) -> np.ndarray:

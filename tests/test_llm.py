@@ -525,7 +525,8 @@ def _restore(store, key, entry):
     store.put(key, entry[0], kind="llm.kv", parent=entry[1], meta=entry[2])
 
 
-@pytest.mark.parametrize("damage", ["v-shape", "no-v", "dtypes-differ", "int-kv", "tokens-2d", "no-tokens", "full-length"])
+@pytest.mark.parametrize("damage", ["v-shape", "no-v", "dtypes-differ", "int-kv", "tokens-2d", "no-tokens", "full-length",
+                                    "short-pointer"])
 def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
     ids = np.random.default_rng(25).integers(0, 500, 30).tolist()
     pc = PrefixCache(tiny, store=store, block_tokens=16)
@@ -548,13 +549,16 @@ def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
     elif damage == "full-length":
         tensors = {"tokens": np.array(ids[16:32] + [0] * (32 - len(ids)), np.int32)[:16],
                    "k": np.zeros((3, 2, 16, 16), np.float32), "v": np.zeros((3, 2, 16, 16), np.float32)}
-    store.put(pc._tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent)
+    meta = {}
+    if damage == "short-pointer":  # a pointer to a full block, holding fewer than a block's tokens
+        tensors, meta = {"tokens": np.array(ids[16:26], np.int32)}, {"full": "1"}
+    store.put(pc._tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent, meta=meta)
     _, logits = pc.prefill(ids)
     assert pc.stats["last"]["served"] == 16
     assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
 
 
-@pytest.mark.parametrize("damage", ["v-shape", "dtypes-differ", "int-kv", "f64-v"])
+@pytest.mark.parametrize("damage", ["v-shape", "dtypes-differ", "int-kv", "f64-v", "no-v"])
 def test_a_malformed_stored_block_is_a_clean_miss(tiny, store, damage):
     ids = list(range(50))
     pc = PrefixCache(tiny, store=store, block_tokens=16)
@@ -569,6 +573,8 @@ def test_a_malformed_stored_block_is_a_clean_miss(tiny, store, damage):
         tensors = {"k": good.astype(np.int32), "v": good.astype(np.int32)}
     elif damage == "f64-v":
         tensors["v"] = good.astype(np.float64)
+    elif damage == "no-v":
+        del tensors["v"]
     store.put(key, tensors, kind="llm.kv")
     assert pc.lookup(ids) == (None, 0)
     _, logits = pc.prefill(ids)
