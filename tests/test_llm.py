@@ -180,6 +180,28 @@ def test_block_size_and_kv_dtype_are_part_of_the_key(tiny, store):
     PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
     assert PrefixCache(tiny, store=store, block_tokens=32).lookup(ids) == (None, 0)
     assert PrefixCache(tiny, store=store, block_tokens=16, kv_dtype=torch.float16).lookup(ids) == (None, 0)
+    PrefixCache(tiny, store=store, block_tokens=16, kv_dtype=torch.bfloat16).prefill(ids)
+    assert PrefixCache(tiny, store=store, block_tokens=16, kv_dtype=torch.float16).lookup(ids) == (None, 0)
+
+
+def _word_tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0])
+
+
+def test_another_tokenizer_of_a_tiny_model_gets_no_hits(tiny, store):
+    """Token ids mean what the tokenizer makes of text: the same ids under another tokenizer are another prompt."""
+    words = [f"w{i}" for i in range(500)]
+    one, two = _word_tokenizer(words), _word_tokenizer(words[::-1])
+    ids = list(range(100, 150))
+    PrefixCache(tiny, one, store=store, block_tokens=16).prefill(ids)
+    assert PrefixCache(tiny, one, store=store, block_tokens=16).lookup(ids)[1] == 49
+    assert PrefixCache(tiny, two, store=store, block_tokens=16).lookup(ids) == (None, 0)
+    assert PrefixCache(tiny, None, store=store, block_tokens=16).lookup(ids) == (None, 0)
 
 
 @pytest.mark.parametrize("bad", [[], [[]], [1, 2, 10_000], [-1, 2], [[1, 2], [3, 4]], "text without tokenizer", [1.5]])
@@ -526,7 +548,7 @@ def _restore(store, key, entry):
 
 
 @pytest.mark.parametrize("damage", ["v-shape", "no-v", "dtypes-differ", "int-kv", "tokens-2d", "no-tokens", "full-length",
-                                    "short-pointer"])
+                                    "short-pointer", "dangling-pointer"])
 def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
     ids = np.random.default_rng(25).integers(0, 500, 30).tolist()
     pc = PrefixCache(tiny, store=store, block_tokens=16)
@@ -552,6 +574,8 @@ def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
     meta = {}
     if damage == "short-pointer":  # a pointer to a full block, holding fewer than a block's tokens
         tensors, meta = {"tokens": np.array(ids[16:26], np.int32)}, {"full": "1"}
+    elif damage == "dangling-pointer":  # a pointer to a block that is not stored
+        tensors, meta = {"tokens": np.array(ids[16:30] + [7, 8], np.int32)}, {"full": "1"}
     store.put(pc._tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent, meta=meta)
     _, logits = pc.prefill(ids)
     assert pc.stats["last"]["served"] == 16
