@@ -221,7 +221,14 @@ def results(group: Group) -> dict[str, str]:
     """Each mutant of the group's last run, by name, with its status."""
     out: dict[str, str] = {}
     for meta in (OUT / group.name / "mutants").rglob("*.py.meta"):
-        data = json.loads(meta.read_text())
+        for _ in range(5):  # mutmut rewrites the file after each mutant: read a whole version
+            try:
+                data = json.loads(meta.read_text())
+                break
+            except json.JSONDecodeError:
+                time.sleep(0.2)
+        else:
+            continue
         for name, code in data.get("exit_code_by_key", {}).items():
             if not any(fnmatch.fnmatchcase(name, p) for p in group.patterns):
                 continue
@@ -257,10 +264,44 @@ def report(groups: list[Group]) -> float:
     return score
 
 
+README = REPO / "README.md"
+MARKERS = ("<!-- mutation-results -->", "<!-- /mutation-results -->")
+
+
+def markdown(groups: list[Group]) -> str:
+    """The results block of README's Development section: scores, then every equivalent mutant with its reason."""
+    equivalent = _equivalent()
+    rows, listed, left = [], [], []
+    for group in groups:
+        res = results(group)
+        if not res:
+            rows.append(f"| `{group.name}` | not run | | | |")
+            continue
+        counted = {n: st for n, st in res.items() if n not in equivalent}
+        killed = sum(st in ("killed", "timeout") for st in counted.values())
+        eq = sorted(n for n in res if n in equivalent)
+        rows.append(f"| `{group.name}` | {len(res)} | {len(eq)} | {killed} / {len(counted)} | "
+                    f"{100 * killed / max(len(counted), 1):.1f}% |")
+        listed += [f"- `{n}`: {equivalent[n]}" for n in eq]
+        left += [f"- `{n}` ({counted[n]})" for n in sorted(counted) if counted[n] not in ("killed", "timeout")]
+    out = [MARKERS[0], "", "| group | mutants | equivalent | caught | score |", "|---|---|---|---|---|", *rows, ""]
+    out += [f"<details><summary>Surviving mutants not yet triaged ({len(left)})</summary>", "", *left, "", "</details>", ""]
+    out += [f"<details><summary>Equivalent mutants and why ({len(listed)})</summary>", "", *listed, "", "</details>", "",
+            MARKERS[1]]
+    return "\n".join(out)
+
+
+def update_readme(groups: list[Group]) -> None:
+    text = README.read_text()
+    start, end = text.index(MARKERS[0]), text.index(MARKERS[1]) + len(MARKERS[1])
+    README.write_text(text[:start] + markdown(groups) + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("groups", nargs="*", help=f"groups to run (default: all): {', '.join(BY_NAME)}")
     parser.add_argument("--report", action="store_true", help="only print the last runs' results")
+    parser.add_argument("--readme", action="store_true", help="write the results into README.md's Development section")
     args = parser.parse_args()
     unknown = [g for g in args.groups if g not in BY_NAME]
     if unknown:
@@ -271,6 +312,8 @@ def main() -> None:
             if run(group) not in (0,):
                 print(f"mutmut did not finish group {group.name}", file=sys.stderr)
     report(groups)
+    if args.readme:
+        update_readme(GROUPS)
 
 
 if __name__ == "__main__":
