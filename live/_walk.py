@@ -618,12 +618,19 @@ def _backend_text(backend: Any, path: str, per_call: bool) -> tuple[str, ...]:
     return tuple(walk.lines)
 
 
+_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _sets_backend_each_call(cls: type) -> bool:
     """A transformers fast tokenizer: every encode sets its backend's truncation, padding and
     special-token splitting from its own options first (``set_truncation_and_padding``), so
-    what the backend holds between calls (the last call's settings) never reaches an output."""
-    return any(k.__module__.startswith("transformers.") and k.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
-               for k in cls.__mro__)
+    what the backend holds between calls (the last call's settings) never reaches an output.
+    Only while the encode path is transformers' own: a subclass that overrides it may not."""
+    for name in ("_encode_plus", "_batch_encode_plus", "set_truncation_and_padding"):
+        owner = next((k for k in cls.__mro__ if name in k.__dict__), None)
+        if owner is not None and not (owner.__module__.startswith("transformers.") and owner.__name__ in _FAST_TOKENIZERS):
+            return False
+    return any(k.__module__.startswith("transformers.") and k.__name__ in _FAST_TOKENIZERS for k in cls.__mro__)
 
 
 def _plain_class(cls: type) -> bool:

@@ -298,3 +298,25 @@ def test_a_bare_backends_padding_is_part_of_the_identity():
     assert tokenizer_identity(holder) != before
     backend.no_padding()
     assert tokenizer_identity(holder) == before
+
+
+def test_a_fast_tokenizer_subclass_with_its_own_encode_keeps_the_backends_padding_in_the_key():
+    """A subclass may encode without resetting the backend: then what the backend holds is keyed again."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from promptstore._live import tokenizer_identity
+
+    class Own(PreTrainedTokenizerFast):
+        def _encode_plus(self, *args, **kwargs):  # e.g. one that skips set_truncation_and_padding
+            return super()._encode_plus(*args, **kwargs)
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[PAD]": 2}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain_tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="a", pad_token="[PAD]")
+    own = Own(tokenizer_object=backend, unk_token="a", pad_token="[PAD]")
+    before_plain, before_own = tokenizer_identity(plain_tok), tokenizer_identity(own)
+    for tok in (plain_tok, own):  # each holds its own copy of the backend
+        tok.backend_tokenizer.enable_padding(pad_id=2, pad_token="[PAD]", length=8)
+    assert tokenizer_identity(plain_tok) == before_plain  # transformers' encode resets it each call
+    assert tokenizer_identity(own) != before_own
