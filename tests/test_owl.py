@@ -87,18 +87,24 @@ def plain(model, processor, queries, imgs):
         return model(**inputs)
 
 
+def miss_then_hit(model, processor, imgs, store):
+    """Two detections of QUERIES: the first runs the text tower on every query, the second on none."""
+    with TextRuns(model) as runs:
+        miss = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+    assert runs.rows == len(QUERIES)
+    with TextRuns(model) as runs:
+        hit = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+    assert runs.rows == 0
+    return miss, hit
+
+
 @pytest.mark.parametrize("kind", ["owlv2", "owlvit"])
 def test_boxes_and_logits_equal_the_plain_call_and_a_hit_never_runs_the_text_tower(kind, clip_tokenizer, tmp_path):
     model, processor = build(kind, clip_tokenizer)
     imgs = images()
     ref = plain(model, processor, QUERIES, imgs)
     with PromptStore(tmp_path / "s") as store:
-        with TextRuns(model) as runs:
-            cold = owl_detect(model, processor, QUERIES, images=imgs, store=store)
-        assert runs.rows == len(QUERIES)
-        with TextRuns(model) as runs:
-            warm = owl_detect(model, processor, QUERIES, images=imgs, store=store)
-        assert runs.rows == 0
+        cold, warm = miss_then_hit(model, processor, imgs, store)
         assert len(store.ls(kind=TEXT_KIND)) == len(QUERIES)
     for out in (cold, warm):
         assert type(out) is type(ref)
@@ -241,12 +247,7 @@ def test_a_half_or_bfloat16_detector_gets_its_own_dtype_from_the_store(kind, dty
     ref = plain(model, processor, QUERIES, imgs)
     assert ref.text_embeds.dtype == dtype
     with PromptStore(tmp_path / "s") as store:
-        with TextRuns(model) as runs:
-            miss = owl_detect(model, processor, QUERIES, images=imgs, store=store)
-        assert runs.rows == len(QUERIES)
-        with TextRuns(model) as runs:
-            hit = owl_detect(model, processor, QUERIES, images=imgs, store=store)
-        assert runs.rows == 0
+        miss, hit = miss_then_hit(model, processor, imgs, store)
     for out in (miss, hit):
         assert out.text_embeds.dtype == out.image_embeds.dtype == dtype
         for name, value in outputs(out, kind).items():
