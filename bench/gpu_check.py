@@ -111,8 +111,8 @@ def main() -> None:
 
         fp = timed(lambda: model_fingerprint(model), 3)
         print(f"  weights fingerprint on the device (every request): {fp * 1e3:.1f} ms", flush=True)
-        layers, heads, head_dim, kv_dtype = pc._get_layout()
-        per_token = layers * heads * head_dim * 2 * torch.empty(0, dtype=kv_dtype).element_size()
+        layers, heads, k_dim, v_dim, kv_dtype = pc._get_layout()
+        per_token = layers * heads * (k_dim + v_dim) * torch.empty(0, dtype=kv_dtype).element_size()
         for length in [256, 512] if args.smoke else args.lengths:
             doc = torch.randint(0, vocab, (length - 23,), generator=gen).tolist()
             pc.prefill(doc + torch.randint(0, vocab, (30,), generator=gen).tolist())  # warm: document + a question

@@ -108,8 +108,8 @@ def child(args: argparse.Namespace) -> None:
         _, scores = pc.prefill(ids)
         times.append(time.perf_counter() - t0)
         logits.append(scores.tolist())
-    layers, heads, head_dim, _ = pc._get_layout()
-    per_token = layers * heads * head_dim * 2 * 4
+    layers, heads, k_dim, v_dim, _ = pc._get_layout()
+    per_token = layers * heads * (k_dim + v_dim) * 4
     store.close()
     print(json.dumps({"first": times[0], "steady": times[1:], "questions": order, "logits": logits,
                       "served": pc.stats["last"]["served"], "computed": pc.stats["last"]["computed"],

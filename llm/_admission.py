@@ -18,12 +18,15 @@ from promptstore.errors import UnsupportedModelError
 
 from ._buffers import kv_layers
 
-__all__ = ["CHECK_KIND", "check_structure", "checked_layout", "probe_model", "vocab_size"]
+__all__ = ["CHECK_KIND", "Layout", "check_structure", "checked_layout", "probe_model", "vocab_size"]
 
 CHECK_KIND = "llm.check"  # a model architecture's verdict of probe_model, so a fresh process skips its forwards
 
 
-def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[int, int, int, Any]:
+Layout = tuple[int, int, int, int, Any]  # (layers, kv heads, key width, value width, dtype)
+
+
+def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> Layout:
     """probe_model's verdict, from the store when this model structure passed it before.
 
     The verdict depends on what the model computes with apart from its weights' values: its
@@ -43,14 +46,15 @@ def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache:
                                               f"torch={torch.__version__}"])
     entry = store.get(key, kind=CHECK_KIND)
     dtype = getattr(torch, entry.meta.get("dtype", ""), None) if entry is not None else None
-    if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (3,):
-        layers, heads, head_dim = (int(x) for x in entry.tensors["layout"])
-        return layers, heads, head_dim, dtype
+    # A verdict of the earlier format (three numbers, one width for keys and values) is probed again.
+    if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (4,):
+        layers, heads, k_dim, v_dim = (int(x) for x in entry.tensors["layout"])
+        return layers, heads, k_dim, v_dim, dtype
     t0 = time.perf_counter()
-    layers, heads, head_dim, dtype = probe_model(model, output_cache)
-    store.put(key, {"layout": np.array([layers, heads, head_dim], np.int64)}, kind=CHECK_KIND,
+    layers, heads, k_dim, v_dim, dtype = probe_model(model, output_cache)
+    store.put(key, {"layout": np.array([layers, heads, k_dim, v_dim], np.int64)}, kind=CHECK_KIND,
               cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
-    return layers, heads, head_dim, dtype
+    return layers, heads, k_dim, v_dim, dtype
 
 
 def _rope_types(model: Any) -> set[str]:
@@ -94,18 +98,19 @@ def vocab_size(model: Any) -> int:
 def _check_cache(name: str, text: Any, cache: Any) -> None:
     """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     if cache is None:
         raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
     if type(cache) is not DynamicCache:
         raise UnsupportedModelError(f"{name} keeps its state in a {type(cache).__name__}, not a plain DynamicCache "
                                     "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    # Sliding-window layers are served: every token's KV is stored, and a restored layer hands
+    # attention what transformers' own layer would (see reserved_layer_classes in _buffers.py).
+    kinds = sorted({type(layer).__name__ for layer in cache.layers
+                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
     if kinds:
         why = []
-        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-            why.append("sliding-window layers drop old tokens")
         if any("Linear" in k or "Mamba" in k for k in kinds):
             why.append("linear-attention/SSM layers keep a running state, not per-token KV")
         if any("Indexed" in k for k in kinds):
@@ -121,15 +126,32 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
     layers = kv_layers(cache)
     if any(k is None or v is None for k, v in layers):
         raise UnsupportedModelError(f"{name} leaves some cache layers empty: not supported")
-    shapes = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in layers}
+    # A sliding layer holds the last tokens only: shapes are compared without the token axis.
+    shapes = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in layers}
     if len(shapes) != 1:
         raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
     (kshape, vshape, _), = shapes
-    if len(kshape) == 4 and len(vshape) == 4 and kshape[:3] == vshape[:3] and kshape[3] != vshape[3]:
-        raise UnsupportedModelError(f"{name} keeps keys and values of different widths ({kshape[3]} and {vshape[3]}, "
-                                    "e.g. multi-head latent attention): not supported yet")
-    if len(kshape) != 4 or kshape != vshape or kshape[0] != 1:
+    # Keys and values may differ in width (multi-head latent attention as transformers keeps it:
+    # DeepSeek-V3, MiniCPM3): blocks carry the two widths apart.
+    if len(kshape) != 4 or kshape[:3] != vshape[:3] or kshape[0] != 1:
         raise UnsupportedModelError(f"{name}: unexpected KV shape {kshape} / {vshape} (want [batch, heads, tokens, head_dim])")
+
+
+def _shortest_window(model: Any) -> int | None:
+    """The shortest sliding window among the cache layers transformers builds for this model (None: none)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 - a config DynamicCache cannot read has no window it could keep
+        return None
+    windows = [int(layer.sliding_window) for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    return min(windows) if windows else None
+
+
+def _no_tokens(shape: Any) -> tuple[int, ...]:
+    return (*shape[:2], -1, *shape[3:]) if len(shape) == 4 else tuple(shape)
 
 
 def check_structure(model: Any) -> None:
@@ -151,12 +173,14 @@ def check_structure(model: Any) -> None:
 
 
 
-def probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
-    """(layers, kv heads, head dim, dtype) of a model whose prefix KV can be reused exactly (after check_structure).
+def probe_model(model: Any, output_cache: Any) -> Layout:
+    """(layers, kv heads, key width, value width, dtype) of a model whose prefix KV can be reused exactly (after check_structure).
 
     Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
-    ``DynamicLayer`` of one shape (every token's keys and values, kept whole), with RoPE (if
-    any) whose frequencies do not depend on the sequence length. Everything else is refused
+    ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` of one shape (keys and values per
+    token), with RoPE (if any) whose frequencies do not depend on the sequence length, and
+    the same tokens run in pieces over the cache (past the sliding window, if any) give the
+    same scores as one pass. Everything else is refused
     before anything is looked up or stored: a block stored now would be served wrong later.
 
     Raises:
@@ -170,7 +194,17 @@ def probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
     vocab = vocab_size(model)
     pad = getattr(text, "pad_token_id", None)
     pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 2 % vocab
-    probe = torch.tensor([[1 % vocab, pad, 3 % vocab, 4 % vocab, pad, 6 % vocab, 7 % vocab]], device=model.device)
+    tokens = [1 % vocab, pad, 3 % vocab, 4 % vocab, pad, 6 % vocab, 7 % vocab]
+    pieces = [(0, 3), (3, 4), (4, 7)]
+    window = _shortest_window(model)
+    if window is not None:
+        # Past the window too: a restored prefix must give the same scores as one pass once
+        # the window drops tokens (Moshi's main decoder masks as if it had no window, so its
+        # sliding cache makes pieces differ from one pass; found by tests/llm_zoo.py). Costs
+        # two forwards over the window once per architecture (the verdict is stored).
+        tokens = (tokens * (-(-(window + 4) // len(tokens))))[: window + 4]
+        pieces = [(0, 3), (3, 4), (4, window), (window, window + 1), (window + 1, window + 4)]
+    probe = torch.tensor([tokens], device=model.device)
     try:
         with torch.no_grad():
             out = model(probe, use_cache=True)
@@ -181,7 +215,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
             # them. Some models are not exact here: positions counted from pad tokens in the
             # prompt (RoBERTa family), ALiBi variants (MPT) - found by tests/llm_zoo.py.
             steps, past = [], None
-            for lo, hi in ((0, 3), (3, 4), (4, 7)):
+            for lo, hi in pieces:
                 kwargs = {cache_arg: past} if past is not None else {}
                 piece = model(probe[:, lo:hi], use_cache=True, **kwargs)
                 past = output_cache(piece)
@@ -197,5 +231,5 @@ def probe_model(model: Any, output_cache: Any) -> tuple[int, int, int, Any]:
     if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
-    (kshape, _, dtype), = {(tuple(k.shape), tuple(v.shape), k.dtype) for k, v in kv_layers(cache)}
-    return len(cache.layers), kshape[1], kshape[3], dtype
+    (kshape, vshape, dtype), = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in kv_layers(cache)}
+    return len(cache.layers), kshape[1], kshape[3], vshape[3], dtype

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CAPACITY_STEP", "RESERVE_TOKENS", "KVBuffers", "copy_block", "host_view", "kv_layers", "make_cache", "reserved_layer_class"]
+__all__ = ["CAPACITY_STEP", "RESERVE_TOKENS", "KVBuffers", "copy_block", "host_view", "kv_layers", "held_tokens", "make_cache", "reserved_layer_classes"]
 
 RESERVE_TOKENS = 256  # room left after the prompt in loaded caches (more is allocated by doubling)
 CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
@@ -36,20 +36,20 @@ class KVBuffers:
         self._staging: list[tuple[Any, Any]] | None = None  # pinned host slots for copies to a GPU
         self._pool: list[tuple[np.ndarray, np.ndarray]] = []  # host KV buffers, reused once no tensor holds them
 
-    def staging_slots(self, layout: tuple[int, int, int, Any], block_tokens: int, n: int) -> list[tuple[Any, Any]]:
+    def staging_slots(self, layout: tuple[int, int, int, int, Any], block_tokens: int, n: int) -> list[tuple[Any, Any]]:
         """Pinned host blocks that GPU loads are read into (allocated once: pinning is slow)."""
         import torch
 
-        layers, heads, head_dim, dtype = layout
-        shape = (layers, heads, block_tokens, head_dim)
-        if self._staging is None or len(self._staging) < n or self._staging[0][0].shape != shape \
-                or self._staging[0][0].dtype != dtype:
-            self._staging = [(torch.empty(shape, dtype=dtype, pin_memory=True),
-                              torch.empty(shape, dtype=dtype, pin_memory=True)) for _ in range(n)]
+        layers, heads, k_dim, v_dim, dtype = layout
+        kshape, vshape = (layers, heads, block_tokens, k_dim), (layers, heads, block_tokens, v_dim)
+        if self._staging is None or len(self._staging) < n or self._staging[0][0].shape != kshape \
+                or self._staging[0][1].shape != vshape or self._staging[0][0].dtype != dtype:
+            self._staging = [(torch.empty(kshape, dtype=dtype, pin_memory=True),
+                              torch.empty(vshape, dtype=dtype, pin_memory=True)) for _ in range(n)]
         return self._staging[:n]
 
-    def allocate(self, layout: tuple[int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
-        """A (keys, values) pair of shape (layers, 1, kv heads, capacity, head dim) on ``device``.
+    def allocate(self, layout: tuple[int, int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
+        """A (keys, values) pair of shape (layers, 1, kv heads, capacity, key or value width) on ``device``.
 
         Always normal tensors, even when called under ``torch.inference_mode()``: a cache the
         caller continues outside it is written in place (an inference tensor refuses that).
@@ -59,32 +59,34 @@ class KVBuffers:
         with torch.inference_mode(False):
             return self._allocate(layout, device, capacity)
 
-    def _allocate(self, layout: tuple[int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
+    def _allocate(self, layout: tuple[int, int, int, int, Any], device: Any, capacity: int) -> tuple[Any, Any]:
         import torch
 
-        layers, heads, head_dim, dtype = layout
-        shape = (layers, 1, heads, capacity, head_dim)
+        layers, heads, k_dim, v_dim, dtype = layout
+        shape = (layers, 1, heads, capacity, k_dim)
+        vshape = (*shape[:4], v_dim)
         # One buffer per side for all layers; each block is copied once, straight into the
         # final per-layer tensors (views of these).
         if device.type == "cuda":
             # pragma: no mutate start (a GPU's buffers: no GPU here)
             return (torch.empty(shape, dtype=dtype, device=device),
-                    torch.empty(shape, dtype=dtype, device=device))
+                    torch.empty(vshape, dtype=dtype, device=device))
             # pragma: no mutate end
         # A pair whose every tensor is gone (the caller dropped that request's cache) is reused:
         # its pages are already faulted in, so a load costs the copy and little else.
         np_dtype = np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
         pair = None
         for i in range(len(self._pool)):
-            held = self._pool[i][0]
-            fits = held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity and held.shape[4] == head_dim
-            del held
+            held, held_v = self._pool[i]
+            fits = (held.dtype == np_dtype and held.shape[:3] == shape[:3] and held.shape[3] >= capacity
+                    and held.shape[4] == k_dim and held_v.shape[4] == v_dim)
+            del held, held_v
             # Refcount 2 (the pool's tuple and the call's argument): no tensor of an earlier cache holds it.
             if fits and sys.getrefcount(self._pool[i][0]) == 2 and sys.getrefcount(self._pool[i][1]) == 2:
                 pair = self._pool.pop(i)
                 break
         if pair is None:
-            pair = (_fresh_buffer(shape, np_dtype), _fresh_buffer(shape, np_dtype))
+            pair = (_fresh_buffer(shape, np_dtype), _fresh_buffer(vshape, np_dtype))
         self._pool = [pair, *self._pool][:2]  # the last two requests' buffers: one may still be held
         out = tuple(torch.from_numpy(a) for a in pair)
         if dtype == torch.bfloat16:
@@ -107,11 +109,21 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     kv = [(full_k[i], full_v[i]) for i in range(full_k.shape[0])]
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
-    reserved = reserved_layer_class()
-    if (reserved is not None and layers is not None and len(layers) == len(kv)
-            and all(type(layer).__name__ == "DynamicLayer" for layer in layers)):
-        cache.layers = [reserved(k, v, n) for k, v in kv]
-        return cache
+    classes = reserved_layer_classes()
+    if classes is not None and layers is not None and len(layers) == len(kv):
+        full, sliding = classes
+        made = []
+        for layer, (k, v) in zip(layers, kv, strict=True):
+            kind = type(layer).__name__
+            if kind == "DynamicLayer":
+                made.append(full(k, v, n))
+            elif kind == "DynamicSlidingWindowLayer":
+                made.append(sliding(k, v, n, layer.sliding_window))
+            else:
+                break
+        else:
+            cache.layers = made
+            return cache
     # Another cache layout (older transformers): hand over exactly the filled part.
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
@@ -119,33 +131,48 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     return cache
 
 
+def held_tokens(cache: Any) -> set[int]:
+    """How many tokens' keys each layer holds (one number when every layer holds the whole sequence)."""
+    return {int(k.shape[-2]) if k is not None else -1 for k, _ in kv_layers(cache)}
+
+
 _RESERVED: Any = False
 
 
-def reserved_layer_class() -> Any:
-    """A DynamicLayer that writes new tokens into spare capacity instead of concatenating.
+def reserved_layer_classes() -> Any:
+    """Cache layers that write new tokens into spare capacity instead of concatenating: (full, sliding window).
 
     transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),
     the prompt's tail and then each generated token: O(prefix) per step. Loaded caches already
     live in buffers we allocated, so they are allocated with room to grow and written in place;
     when the room runs out the buffer doubles. Anything that replaces ``keys`` behind our back
     (beam reordering) sends the layer back to plain concatenation. None if DynamicLayer is absent.
+
+    The sliding-window layer keeps every token's KV (so that blocks can be stored from it, as
+    transformers' own layer does when it records its past) and hands attention exactly what
+    ``DynamicSlidingWindowLayer.update`` hands it: the last ``sliding_window - 1`` cached tokens
+    and the new ones, with the same ``cumulative_length`` for the mask.
     """
     global _RESERVED
     if _RESERVED is not False:
         return _RESERVED
     try:
-        from transformers.cache_utils import DynamicLayer
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
     except ImportError:
         _RESERVED = None
         return None
 
     import torch
 
-    class _ReservedLayer(DynamicLayer):
-        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
-            super().__init__()
-            self.lazy_initialization(kbuf, vbuf)
+    class _InPlace:
+        _kbuf: Any
+        _vbuf: Any
+        _n: int
+        keys: Any
+        values: Any
+
+        def _reserve(self, kbuf: Any, vbuf: Any, n: int) -> None:
+            self.lazy_initialization(kbuf, vbuf)  # type: ignore[attr-defined]
             self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
             self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
 
@@ -158,12 +185,6 @@ def reserved_layer_class() -> Any:
                 return False
             self._n = k.shape[-2]  # e.g. after crop(): still a prefix of our buffer
             return True
-
-        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if not self.is_initialized or not self._in_place():
-                return super().update(key_states, value_states, *args, **kwargs)
-            with torch.inference_mode(False):  # our buffers stay normal tensors, whatever mode the caller is in
-                return self._write(key_states, value_states)
 
         def _write(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
             n, m = self._n, key_states.shape[-2]
@@ -180,7 +201,38 @@ def reserved_layer_class() -> Any:
             self.keys, self.values = self._kbuf[:, :, : self._n], self._vbuf[:, :, : self._n]
             return self.keys, self.values
 
-    _RESERVED = _ReservedLayer
+    class _ReservedLayer(_InPlace, DynamicLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
+            DynamicLayer.__init__(self)
+            self._reserve(kbuf, vbuf, n)
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized or not self._in_place():
+                return super().update(key_states, value_states, *args, **kwargs)
+            with torch.inference_mode(False):  # our buffers stay normal tensors, whatever mode the caller is in
+                return self._write(key_states, value_states)
+
+    class _ReservedSlidingLayer(_InPlace, DynamicSlidingWindowLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, sliding_window: int) -> None:
+            DynamicSlidingWindowLayer.__init__(self, sliding_window)
+            self._reserve(kbuf, vbuf, n)
+            self.cumulative_length = n
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            if not self.is_initialized or not self._in_place() or self._n != self.cumulative_length:
+                # Back to transformers' own layer, holding what it would hold (the window): the
+                # cache then holds fewer tokens than the sequence, so nothing is stored from it.
+                if self.keys is not None and self.keys.shape[-2] > self.sliding_window - 1:
+                    self.keys = self.keys[:, :, -self.sliding_window + 1 :]
+                    self.values = self.values[:, :, -self.sliding_window + 1 :]
+                return super().update(key_states, value_states, *args, **kwargs)
+            with torch.inference_mode(False):
+                keys, values = self._write(key_states, value_states)
+            self.cumulative_length = self._n
+            visible = self.sliding_window - 1 + key_states.shape[-2]  # as DynamicSlidingWindowLayer hands them
+            return keys[:, :, -visible:], values[:, :, -visible:]
+
+    _RESERVED = (_ReservedLayer, _ReservedSlidingLayer)
     return _RESERVED
 
 

@@ -80,8 +80,8 @@ class ChunkCache:
         InvalidInputError: ``recompute`` outside [0, 1] or an unknown ``select``.
         UnsupportedModelError: a model PrefixCache refuses, one without rotary positions
             (learned absolute positions, ALiBi), one whose keys do not move with a rotation
-            (another RoPE layout, length-dependent RoPE), or an attention kernel that takes no
-            custom mask. Raised before anything is looked up or stored.
+            (another RoPE layout, length-dependent RoPE), sliding-window layers, or an attention
+            kernel that takes no custom mask. Raised before anything is looked up or stored.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, *,
@@ -115,6 +115,11 @@ class ChunkCache:
         if impl not in ("sdpa", "eager"):
             raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
                                         "tokens in place needs: load the model with attn_implementation='sdpa'")
+        if self.prefix._sliding():
+            # Its recompute pass hands attention a mask of its own over every token's KV, which
+            # knows nothing of the window; PrefixCache serves these models exactly.
+            raise UnsupportedModelError("ChunkCache does not serve sliding-window layers yet (its recompute mask "
+                                        "ignores the window); PrefixCache serves this model exactly")
         self._inv_freq = freqs
         _check_moves(self.model, self._inv_freq, self.prefix)
         self._checked = signature
@@ -212,13 +217,13 @@ class ChunkCache:
         n, at = len(passage), len(anchor)
         k_buf, v_buf = buffers
         host = k_buf.device.type == "cpu"
-        layers, heads, head_dim, _ = self.prefix._get_layout()
-        want = (layers, heads, n, head_dim)
+        layers, heads, k_dim, v_dim, _ = self.prefix._get_layout()
+        want = {"k": (layers, heads, n, k_dim), "v": (layers, heads, n, v_dim)}
         entry = None
         if host:
             into = {side: host_view(full)[:, 0, :, lo : lo + n, :] for side, full in zip(("k", "v"), buffers, strict=True)}
             entry = self.store.get(key, kind=CHUNK_KIND, into=into)
-            if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
+            if entry is not None and all(tuple(entry.tensors[s].shape) == want[s] for s in ("k", "v")):
                 for side, dst in into.items():
                     if entry.tensors[side] is not dst:  # stored in another dtype
                         copy_block(dst, entry.tensors[side], entry.dtypes[side], k_buf.dtype)
@@ -227,9 +232,9 @@ class ChunkCache:
         else:
             # pragma: no mutate start (a GPU's path: tests/test_chunks.py runs it on the GPU machine)
             entry = self.store.get(key, kind=CHUNK_KIND)
-            if entry is not None and all(tuple(entry.tensors[s].shape) == want for s in ("k", "v")):
+            if entry is not None and all(tuple(entry.tensors[s].shape) == want[s] for s in ("k", "v")):
                 for side, full in zip(("k", "v"), buffers, strict=True):
-                    stage = torch.empty(want, dtype=full.dtype)
+                    stage = torch.empty(want[side], dtype=full.dtype)
                     copy_block(host_view(stage), entry.tensors[side], entry.dtypes[side], full.dtype)
                     full[:, 0, :, lo : lo + n, :].copy_(stage.to(full.device))
             else:

@@ -4,7 +4,8 @@ Token ids are cut into blocks of ``block_tokens``; block ``i`` is stored under t
 key ``k_i = H(k_{i-1}, tokens of block i)``, so a key names the whole prefix up to the end
 of its block and any prompt that starts with the same tokens finds it. An entry holds the
 block's keys and values for every layer, ``k`` and ``v`` of shape
-``(layers, kv_heads, block_tokens, head_dim)``.
+``(layers, kv_heads, block_tokens, width)`` (keys and values may differ in width). Sliding-window
+layers store every token's KV too: which of them attention sees is the layer's business.
 
 Reuse is token-granular. The partial block after a request's last full block is stored too,
 with its token ids, under a key made from that last full block's key and the tail's first
@@ -32,8 +33,8 @@ from promptstore import Entry, PromptStore, chain_keys
 from promptstore._live import autocast_active
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
-from ._admission import checked_layout, vocab_size
-from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, host_view, kv_layers, make_cache
+from ._admission import Layout, checked_layout, vocab_size
+from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, held_tokens, host_view, kv_layers, make_cache
 from ._counts import Counts
 from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
@@ -58,9 +59,11 @@ def _dtype_name(dtype: Any) -> str | None:
 class PrefixCache:
     """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
 
-    Serves transformers causal LMs whose layers keep full-length KV of one shape (Llama,
-    Qwen, Phi, GPT-2, Gemma, SmolLM...) and refuses the others before anything is stored
-    (see ``check_structure`` and ``probe_model`` in _admission.py). Keys cover the model's
+    Serves transformers causal LMs whose layers keep per-token KV of one shape, full or
+    sliding-window (Llama, Qwen, Mistral, Gemma 1-3, gpt-oss, SmolLM..., keys and values
+    possibly of different widths as in DeepSeek-V3's latent attention), and refuses the
+    others before anything is stored (see ``check_structure`` and ``probe_model`` in
+    _admission.py). Keys cover the model's
     fingerprint (config, every weight, attention implementation), the tokenizer, the KV
     dtype and the block size, so a cached block is only ever used by the computation that
     produced it.
@@ -93,7 +96,7 @@ class PrefixCache:
         # Only the last position's scores are returned: computing the others costs a vocabulary-wide
         # projection per prompt token.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._layout: tuple[Any, tuple[int, int, int, Any]] | None = None
+        self._layout: tuple[Any, Layout] | None = None
         self._structure: tuple[str, list[tuple[str, Any]]] | None = None  # this request's live model structure
         self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
         self._total = Counts()
@@ -110,19 +113,20 @@ class PrefixCache:
         return "|".join(self._fingerprints())
 
     def _fingerprints(self) -> list[str]:
-        layers, heads, head_dim, dtype = self._get_layout()
+        layers, heads, k_dim, v_dim, dtype = self._get_layout()
         stored = self.kv_dtype or str(dtype).replace("torch.", "")
+        width = k_dim if k_dim == v_dim else f"{k_dim}/{v_dim}"  # keys and values of one width: as before
         # Read on every request (microseconds when unchanged): a tokenizer edited in place
         # (add_tokens, another chat template) is another key at once.
         return [model_fingerprint(self.model, self._structure), tokenizer_fingerprint(self.tokenizer),
                 ambient_fingerprint(), cache_code_fingerprint(),
-                f"kv:{stored}:dynamic[{layers},{heads},T,{head_dim}]", f"block:{self.block_tokens}"]
+                f"kv:{stored}:dynamic[{layers},{heads},T,{width}]", f"block:{self.block_tokens}"]
 
     def _root_key(self) -> bytes:
         # Hashes every weight (tens of ms): callers take it once per request.
         return self.store.key(KIND, b"", fingerprints=self._fingerprints())
 
-    def _get_layout(self) -> tuple[int, int, int, Any]:
+    def _get_layout(self) -> Layout:
         if self._layout is None:
             self._refresh_layout()
         assert self._layout is not None
@@ -209,10 +213,10 @@ class PrefixCache:
         return chain_keys(self._request_root(), ids[: n_blocks * self.block_tokens], self.block_tokens)
 
     def _fits(self, entry: Entry) -> bool:
-        layers, heads, head_dim, _ = self._get_layout()
-        want = (layers, heads, self.block_tokens, head_dim)
+        layers, heads, k_dim, v_dim, _ = self._get_layout()
+        want = (layers, heads, self.block_tokens)
         try:
-            return (tuple(entry.tensors["k"].shape) == want and tuple(entry.tensors["v"].shape) == want
+            return (tuple(entry.tensors["k"].shape) == (*want, k_dim) and tuple(entry.tensors["v"].shape) == (*want, v_dim)
                     and entry.dtypes["k"] == entry.dtypes["v"] and entry.dtypes["k"] in _STORED_DTYPES)
         except KeyError:
             return False
@@ -281,7 +285,7 @@ class PrefixCache:
 
     def _shared(self, tail: Entry, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` the stored tail holds KV for (0 if it does not fit)."""
-        layers, heads, head_dim, _ = self._get_layout()
+        layers, heads, k_dim, v_dim, _ = self._get_layout()
         tokens = tail.tensors.get("tokens")
         r = tokens.shape[0] if tokens is not None and tokens.ndim == 1 else -1
         if "full" in tail.meta:  # a pointer to a full block: its tokens only
@@ -289,8 +293,8 @@ class PrefixCache:
                 return 0
         else:
             k, v = tail.tensors.get("k"), tail.tensors.get("v")
-            want = (layers, heads, r, head_dim)
-            if (not 0 < r < self.block_tokens or k is None or v is None or k.shape != want or v.shape != want
+            if (not 0 < r < self.block_tokens or k is None or v is None or k.shape != (layers, heads, r, k_dim)
+                    or v.shape != (layers, heads, r, v_dim)
                     or tail.dtypes["k"] != tail.dtypes["v"] or tail.dtypes["k"] not in _STORED_DTYPES):
                 return 0
         n = min(r, len(ids))
@@ -412,6 +416,12 @@ class PrefixCache:
             warnings.warn(f"promptstore: {type(self.model).__name__} left {held} positions in the KV cache for "
                           f"{n_in_cache} tokens; nothing stored from it", PromptStoreWarning, stacklevel=3)
             return
+        if held_tokens(cache) != {n_in_cache}:
+            # A layer keeps fewer tokens than the sequence (a sliding window in transformers' own
+            # layer): its slices would not be these tokens' KV.
+            warnings.warn(f"promptstore: {type(self.model).__name__}'s cache layers hold {sorted(held_tokens(cache))} "
+                          f"tokens for {n_in_cache}; nothing stored from it", PromptStoreWarning, stacklevel=3)
+            return
         keys = self._block_keys(ids, last_block)
         kv = kv_layers(cache)
         for b in range(first_block, last_block):
@@ -467,6 +477,8 @@ class PrefixCache:
         import torch
 
         chunk = torch.as_tensor(ids[start:stop], device=self.model.device)[None]
+        if cache is None:
+            cache = self._miss_cache(len(ids))
         kwargs = {self._cache_arg: cache} if cache is not None else {}
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -475,6 +487,23 @@ class PrefixCache:
         if stop > start:
             self._prefill_tps = (stop - start) / max(seconds, 1e-9)
         return self._output_cache(out), out.logits, seconds
+
+    def _miss_cache(self, n_tokens: int) -> Any:
+        """The cache a request without a stored prefix runs into: None (the model's own) unless it has sliding layers.
+
+        transformers' sliding-window layer keeps the last window of tokens only; blocks need
+        every token's KV, so those models run into our buffers, whose sliding layers keep them all.
+        """
+        if not self._sliding():
+            return None
+        capacity = -(-(n_tokens + RESERVE_TOKENS) // CAPACITY_STEP) * CAPACITY_STEP
+        return make_cache(self._allocate(capacity), 0, self.model.config)
+
+    def _sliding(self) -> bool:
+        from transformers import DynamicCache
+
+        layers = getattr(DynamicCache(config=self.model.config), "layers", None) or []
+        return any(type(layer).__name__ == "DynamicSlidingWindowLayer" for layer in layers)
 
     def _begin(self, n_queried: int) -> None:
         self._new_request()
@@ -535,6 +564,8 @@ class PrefixCache:
         if stop > n_cached:
             cache, _, seconds = self._forward(ids, n_cached, stop, cache)
             self._store_blocks(ids, cache, stop, n_cached // self.block_tokens, seconds / (stop - n_cached))
+        if cache is None:
+            cache = self._miss_cache(len(ids))
         if cache is None:
             from transformers import DynamicCache
 

@@ -34,6 +34,9 @@ _DIMS = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "state_size": 8, "expand": 2, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
     "ssm_state_size": 8, "time_step_rank": 8, "conv_kernel": 4, "attention_hidden_size": 64,
+    # Windows shorter than the prompts (61 tokens, then 16 generated): block boundaries fall inside
+    # and outside them, and generation runs past them.
+    "sliding_window": 12, "attention_chunk_size": 12, "sliding_window_size": 12,
 }
 _SPECIAL_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                 "cls_token_id", "mask_token_id", "unk_token_id")

@@ -133,7 +133,12 @@ GROUPS = [
         "promptstore/vision/_encoders.py": ("_BatchedEncoder.fingerprint", "_BatchedEncoder._live_identity",
                                             "_BatchedEncoder._record_built", "OpenCLIPTextEncoder._source_fingerprint",
                                             "UltralyticsTextEncoder._source_fingerprint")},
-          ("tests/test_vision.py", "tests/test_zeroshot.py", "tests/test_owl.py", "tests/test_live_vision.py")),
+          ("tests/test_vision.py", "tests/test_zeroshot.py", "tests/test_owl.py", "tests/test_live_vision.py"),
+          # Half and double precision run open_clip's tower for a minute and a half on one thread and
+          # reach no line bfloat16 and float32 miss; the NPZ fuzz and the 77-token context repeat
+          # checks that faster tests make on the same functions.
+          select="not (dtype_gets_open_clips_dtype and ([torch.float16] or [torch.float64])) and not fuzz_npz"
+                 " and not trimmed_context_equals"),
     # What a live model, tower or tokenizer is, as it runs now.
     Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
                        "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,
