@@ -129,7 +129,8 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
     # A sliding layer holds the last tokens only: shapes are compared without the token axis.
     shapes = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in layers}
     if len(shapes) != 1:
-        raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes {sorted(map(str, shapes))}")
+        described = sorted(f"{k[1]} heads of width {k[3]}/{v[3]}" if len(k) == 4 else str(k) for k, v, _ in shapes)
+        raise UnsupportedModelError(f"{name}'s layers keep KV of different shapes ({', '.join(described)})")
     (kshape, vshape, _), = shapes
     # Keys and values may differ in width (multi-head latent attention as transformers keeps it:
     # DeepSeek-V3, MiniCPM3): blocks carry the two widths apart.

@@ -6,19 +6,24 @@ catch their bugs, so a mutant is never run against the whole suite (that would t
 
 The package is assembled as it is installed (``llm/`` as ``promptstore/llm``, ``live/`` as
 ``promptstore/_live``...) in ``build/mutation/<group>``, because mutmut imports the mutated copy by
-the file's path. Results stay there: a second run retests only mutants of changed functions.
+the file's path. Results are kept there per mutant, with a digest of the sources they were
+found for: ``--survivors`` then retests only what earlier runs of the same sources left alive.
 
     python tools/mutation.py                 # every group, then the score
     python tools/mutation.py core llm        # some groups
     python tools/mutation.py --report        # the score of the last runs, and every survivor
+    python tools/mutation.py --recheck-equivalent   # also run the mutants listed as equivalent
+    python tools/mutation.py llm --survivors  # after adding tests: only the mutants left alive before
 
 Survivors judged equivalent (no input can tell them apart from the original) are listed in
-``tools/mutation_equivalent.txt`` with a reason each; they are left out of the score.
+``tools/mutation_equivalent.txt`` with a reason each; they are left out of the score, and not run
+(a survivor runs every test that reaches its function) unless ``--recheck-equivalent``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -71,6 +76,7 @@ class Group:
     functions: dict[str, tuple[str, ...]]  # installed path -> functions ("f", "Class.method", or "*")
     tests: tuple[str, ...]
     select: str = ""  # a pytest -k expression: leaves out tests that are slow and catch nothing the others miss
+    sample: int = 1  # test one mutant in this many (chosen by a hash of its name, the same on every run)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -117,7 +123,7 @@ GROUPS = [
             "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_tail")),
         "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate"),
         "promptstore/llm/_buffers.py": ("KVBuffers._allocate", "copy_block")},
-          ("tests/test_llm.py", "tests/test_chunks.py"),
+          ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py"),
           # SmolLM2 (real weights), the architecture zoo and the flash-kernel refusal take a minute
           # between them: a survivor would run them all, and they test no reuse path the tiny models miss.
           select="(not across_architectures or stablelm) and not smol and not flash_style and not seed_example"
@@ -143,7 +149,10 @@ GROUPS = [
     Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
                        "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,
                        "promptstore/_live/_tokenizers.py": ALL, "promptstore/llm/_fingerprint.py": ALL},
-          ("tests/test_live_llm.py", "tests/test_live_vision.py", "tests/test_weight_edits.py")),
+          ("tests/test_live_llm.py", "tests/test_live_vision.py", "tests/test_weight_edits.py"),
+          # 2,077 mutants, each reached by nearly every live test: all of them take hours here, so a
+          # fixed third of them (by name) is tested; --all tests every one.
+          sample=3),
 ]
 BY_NAME = {g.name: g for g in GROUPS}
 
@@ -194,16 +203,79 @@ def stage(group: Group) -> Path:
     return root
 
 
-def run(group: Group) -> int:
+# Generates the mutants as ``mutmut run`` does first (about ten seconds), without its test runs,
+# and prints every mutant's name: the run is then given the names to test.
+_GENERATE = """
+import json, os
+from pathlib import Path
+from mutmut.__main__ import create_mutants
+from mutmut.mutation.trampoline import set_mutant_under_test
+from mutmut.utils.file_utils import copy_also_copy_files, copy_src_dir, setup_source_paths
+set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir(); copy_also_copy_files(); setup_source_paths()
+create_mutants(2)
+names = []
+for meta in Path("mutants").rglob("*.py.meta"):
+    names += list(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+print(json.dumps(names))
+"""
+
+
+# mutmut's command line, less its "clean" run: before testing mutants it runs every selected test
+# once more on the unmutated code (five minutes a group here), which `make test` already does.
+# Its forced-fail check, which proves that mutants are switched on, still runs.
+_MUTMUT = """
+import sys
+from mutmut.workers import isolation
+from mutmut.__main__ import cli
+isolation.ForkRunner.run_clean_tests = lambda self, tests: 0
+sys.argv[0] = "mutmut"
+cli()
+"""
+
+
+def mutant_names(group: Group, root: Path, env: dict[str, str], recheck: bool) -> list[str]:
+    """The group's mutants to test: all of them, less those listed as equivalent unless ``recheck``.
+
+    An equivalent mutant survives by definition, so it runs every test that reaches its function:
+    the costliest kind. Listed ones keep their reason in the report either way.
+    """
+    out = subprocess.run([sys.executable, "-c", _GENERATE], cwd=root, env=env, capture_output=True, text=True,
+                         check=True)
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in group.patterns) and in_sample(group, n)]
+    skip = set() if recheck else set(_equivalent())
+    return sorted(n for n in ours if n not in skip)
+
+
+def in_sample(group: Group, name: str) -> bool:
+    """Whether a mutant is in the group's sample: a hash of its name, so every run tests the same ones."""
+    import hashlib
+
+    return group.sample == 1 or int(hashlib.sha256(name.encode()).hexdigest(), 16) % group.sample == 0
+
+
+def run(group: Group, recheck: bool = False, survivors: bool = False) -> int:
+    """Test the group's mutants (``survivors``: only those no earlier run of these sources caught)."""
+    kept = _snapshot(group)
     root = stage(group)
     # One thread each: mutants run in processes forked from one that has run torch, and an
     # OpenMP pool does not survive a fork (the child waits on threads it no longer has).
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    names = list(group.patterns)
-    print(f"== {group.name}: {', '.join(group.files)}", flush=True)
+    names = mutant_names(group, root, env, recheck)
+    if survivors:
+        names = [n for n in names if kept.get(n) not in ("killed", "timeout")]
+    if not names:
+        print(f"== {group.name}: nothing to test", flush=True)
+        return 0
+    print(f"== {group.name}: {', '.join(group.files)}: {len(names)} mutants", flush=True)
     started = time.monotonic()
-    proc = subprocess.run([_mutmut(), "run", "--max-children", str(os.cpu_count() or 2), *names], cwd=root, env=env)
+    _mutmut()  # installed, or a clear message
+    proc = subprocess.run([sys.executable, "-c", _MUTMUT, "run", "--max-children", str(os.cpu_count() or 2), *names],
+                          cwd=root, env=env)
     print(f"== {group.name}: {time.monotonic() - started:.0f} s, mutmut exit {proc.returncode}", flush=True)
+    save_results(group)
     return proc.returncode
 
 
@@ -222,8 +294,61 @@ STATUS = {0: "survived", 1: "killed", 3: "killed", 5: "no tests", 33: "no tests"
           37: "killed", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", None: "not checked"}
 
 
+def _repo_path(installed: str) -> Path:
+    """Where an installed path (``promptstore/llm/_prefix.py``) lives in the repository (``llm/_prefix.py``)."""
+    for folder, target in LAYOUT.items():
+        if target != "promptstore" and installed.startswith(target + "/"):
+            return REPO / folder / installed[len(target) + 1 :]
+    return REPO / installed
+
+
+def _source_digest(group: Group) -> str:
+    """The group's mutated files as they are now: a mutant's name means one mutant only for these."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted(group.functions):
+        h.update(path.encode() + b"\0" + _repo_path(path).read_bytes())
+    return h.hexdigest()
+
+
+def sources_changed(group: Group) -> bool:
+    """Whether the sources changed since the group's last run (its scores are then of older code)."""
+    return any(not (OUT / group.name / path).exists() or (OUT / group.name / path).read_bytes() != _repo_path(path).read_bytes()
+               for path in group.functions)
+
+
+def _snapshot_path(group: Group) -> Path:
+    return OUT / group.name / "results.json"
+
+
+def _snapshot(group: Group) -> dict[str, str]:
+    """Statuses kept from earlier runs of the same sources (see ``save_results``)."""
+    try:
+        data = json.loads(_snapshot_path(group).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data.get("results", {}) if data.get("sources") == _source_digest(group) else {}
+
+
+def save_results(group: Group) -> None:
+    """Merge this run's statuses over the kept ones, so that a run of some mutants keeps the others' results."""
+    merged = {**_snapshot(group), **{n: st for n, st in _meta_results(group).items() if st != "not checked"}}
+    _snapshot_path(group).write_text(json.dumps({"sources": _source_digest(group), "results": merged}, indent=0))
+
+
 def results(group: Group) -> dict[str, str]:
-    """Each mutant of the group's last run, by name, with its status."""
+    """Each mutant of the group, by name, with its status: the last run's, else the one kept from earlier runs."""
+    out = {**_meta_results(group)}
+    for name, status in _snapshot(group).items():
+        if out.get(name, "not checked") == "not checked":
+            out[name] = status
+    if all(st == "not checked" for st in out.values()):
+        return {}  # generated, never run: not a score of zero
+    return out
+
+
+def _meta_results(group: Group) -> dict[str, str]:
     out: dict[str, str] = {}
     for meta in (OUT / group.name / "mutants").rglob("*.py.meta"):
         for _ in range(5):  # mutmut rewrites the file after each mutant: read a whole version
@@ -235,11 +360,9 @@ def results(group: Group) -> dict[str, str]:
         else:
             continue
         for name, code in data.get("exit_code_by_key", {}).items():
-            if not any(fnmatch.fnmatchcase(name, p) for p in group.patterns):
+            if not any(fnmatch.fnmatchcase(name, p) for p in group.patterns) or not in_sample(group, name):
                 continue
             out[name] = STATUS.get(code, "suspicious")
-    if all(st == "not checked" for st in out.values()):
-        return {}  # generated, never run: not a score of zero
     return out
 
 
@@ -262,7 +385,9 @@ def report(groups: list[Group]) -> float:
         stale = sorted(n for n in res if n in equivalent and res[n] in ("killed", "timeout"))
         for name in stale:
             print(f"    listed as equivalent but killed (remove it from {EQUIVALENT.name}): {name}")
-        print(f"{group.name}: {killed}/{len(counted)} caught ({100 * killed / max(len(counted), 1):.1f}%), "
+        if sources_changed(group):
+            print(f"{group.name}: the sources changed since this run; its results are of older code")
+        print(f"{group.name}{f' (1 mutant in {group.sample})' if group.sample > 1 else ''}: {killed}/{len(counted)} caught ({100 * killed / max(len(counted), 1):.1f}%), "
               f"{eq} equivalent left out")
         for name in left:
             print(f"    {counted[name]:<11} {name}")
@@ -287,7 +412,8 @@ def markdown(groups: list[Group]) -> str:
         counted = {n: st for n, st in res.items() if n not in equivalent}
         killed = sum(st in ("killed", "timeout") for st in counted.values())
         eq = sorted(n for n in res if n in equivalent)
-        rows.append(f"| `{group.name}` | {len(res)} | {len(eq)} | {killed} / {len(counted)} | "
+        sampled = f" (1 in {group.sample})" if group.sample > 1 else ""
+        rows.append(f"| `{group.name}`{sampled} | {len(res)} | {len(eq)} | {killed} / {len(counted)} | "
                     f"{100 * killed / max(len(counted), 1):.1f}% |")
         listed += [f"- `{n}`: {equivalent[n]}" for n in eq]
         left += [f"- `{n}` ({counted[n]})" for n in sorted(counted) if counted[n] not in ("killed", "timeout")]
@@ -309,14 +435,21 @@ def main() -> None:
     parser.add_argument("groups", nargs="*", help=f"groups to run (default: all): {', '.join(BY_NAME)}")
     parser.add_argument("--report", action="store_true", help="only print the last runs' results")
     parser.add_argument("--readme", action="store_true", help="write the results into README.md's Development section")
+    parser.add_argument("--recheck-equivalent", action="store_true",
+                        help=f"also run the mutants listed in {EQUIVALENT.name} (skipped by default: they survive)")
+    parser.add_argument("--all", action="store_true", help="every mutant of groups that test a sample by default")
+    parser.add_argument("--survivors", action="store_true",
+                        help="only the mutants that earlier runs of the same sources left alive (after adding tests)")
     args = parser.parse_args()
     unknown = [g for g in args.groups if g not in BY_NAME]
     if unknown:
         parser.error(f"unknown group(s) {unknown}; groups: {', '.join(BY_NAME)}")
     groups = [BY_NAME[g] for g in args.groups] or GROUPS
+    if args.all:
+        groups = [dataclasses.replace(g, sample=1) for g in groups]
     if not args.report:
         for group in groups:
-            if run(group) not in (0,):
+            if run(group, args.recheck_equivalent, args.survivors) not in (0,):
                 print(f"mutmut did not finish group {group.name}", file=sys.stderr)
     report(groups)
     if args.readme:
