@@ -7,6 +7,7 @@ the probe forwards (``probe_model``) is kept in the store per architecture (``ch
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,8 +18,9 @@ from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 
 from ._buffers import kv_layers
+from ._states import state_signature
 
-__all__ = ["CHECK_KIND", "Layout", "check_structure", "checked_layout", "probe_model", "vocab_size"]
+__all__ = ["CHECK_KIND", "Layout", "States", "check_structure", "checked_layout", "probe_model", "vocab_size"]
 
 CHECK_KIND = "llm.check"  # a model architecture's verdict of probe_model, so a fresh process skips its forwards
 
@@ -26,7 +28,10 @@ CHECK_KIND = "llm.check"  # a model architecture's verdict of probe_model, so a 
 Layout = tuple[int, int, int, int, Any]  # (layers, kv heads, key width, value width, dtype)
 
 
-def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> Layout:
+States = dict[str, tuple[tuple[int, ...], str]]  # state tensor name -> (shape, dtype): see _states.py
+
+
+def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[Layout, States]:
     """probe_model's verdict, from the store when this model structure passed it before.
 
     The verdict depends on what the model computes with apart from its weights' values: its
@@ -46,15 +51,22 @@ def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache:
                                               f"torch={torch.__version__}"])
     entry = store.get(key, kind=CHECK_KIND)
     dtype = getattr(torch, entry.meta.get("dtype", ""), None) if entry is not None else None
-    # A verdict of the earlier format (three numbers, one width for keys and values) is probed again.
-    if entry is not None and isinstance(dtype, torch.dtype) and entry.tensors.get("layout", np.empty(0)).shape == (4,):
+    # A verdict of an earlier format (one width for keys and values, no states) is probed again.
+    if (entry is not None and isinstance(dtype, torch.dtype) and "states" in entry.meta
+            and entry.tensors.get("layout", np.empty(0)).shape == (4,)):
         layers, heads, k_dim, v_dim = (int(x) for x in entry.tensors["layout"])
-        return layers, heads, k_dim, v_dim, dtype
+        try:
+            states = {n: (tuple(shape), str(dt)) for n, (shape, dt) in json.loads(entry.meta["states"]).items()}
+        except (ValueError, TypeError):
+            states = None
+        if states is not None:
+            return (layers, heads, k_dim, v_dim, dtype), states
     t0 = time.perf_counter()
-    layers, heads, k_dim, v_dim, dtype = probe_model(model, output_cache)
+    (layers, heads, k_dim, v_dim, dtype), states = probe_model(model, output_cache)
     store.put(key, {"layout": np.array([layers, heads, k_dim, v_dim], np.int64)}, kind=CHECK_KIND,
-              cost_s=time.perf_counter() - t0, meta={"dtype": str(dtype).replace("torch.", "")})
-    return layers, heads, k_dim, v_dim, dtype
+              cost_s=time.perf_counter() - t0,
+              meta={"dtype": str(dtype).replace("torch.", ""), "states": json.dumps(states)})
+    return (layers, heads, k_dim, v_dim, dtype), states
 
 
 def _rope_types(model: Any) -> set[str]:
@@ -98,7 +110,7 @@ def vocab_size(model: Any) -> int:
 def _check_cache(name: str, text: Any, cache: Any) -> None:
     """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
     if cache is None:
         raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
@@ -107,18 +119,21 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
                                     "(hybrid, recurrent or encoder-decoder state cannot be stored as KV blocks)")
     # Sliding-window layers are served: every token's KV is stored, and a restored layer hands
     # attention what transformers' own layer would (see reserved_layer_classes in _buffers.py).
+    # Linear-attention/SSM layers are served beside attention layers: their running state is
+    # stored where a prefix can end (_states.py); layers without a cache of their own need none.
     kinds = sorted({type(layer).__name__ for layer in cache.layers
-                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
+                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, DummyLayer)})
     if kinds:
         why = []
         if any("Linear" in k or "Mamba" in k for k in kinds):
-            why.append("linear-attention/SSM layers keep a running state, not per-token KV")
+            why.append("layers that keep a running state and KV in one (not supported yet)")
         if any("Indexed" in k for k in kinds):
             why.append("indexed (sparse) attention keeps indexer state beside the KV")
-        if any("Dummy" in k for k in kinds):
-            why.append("some layers keep no KV of their own")
         raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
                                     f"{'; '.join(why) or 'not plain per-token KV'}")
+    if not any(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        raise UnsupportedModelError(f"{name} keeps a running state in every layer and KV in none (a pure "
+                                    "SSM/linear-attention model): not supported yet")
     n_layers = getattr(text, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers != len(cache.layers):
         raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
@@ -174,14 +189,16 @@ def check_structure(model: Any) -> None:
 
 
 
-def probe_model(model: Any, output_cache: Any) -> Layout:
-    """(layers, kv heads, key width, value width, dtype) of a model whose prefix KV can be reused exactly (after check_structure).
+def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States]:
+    """(layers that keep KV, kv heads, key width, value width, dtype), and its state tensors, of a model whose prefix KV can be reused exactly (after check_structure).
 
-    Accepted: one forward fills a transformers ``DynamicCache`` whose layers are all plain
+    Accepted: one forward fills a transformers ``DynamicCache`` whose layers are plain
     ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` of one shape (keys and values per
-    token), with RoPE (if any) whose frequencies do not depend on the sequence length, and
+    token), possibly beside ``LinearAttentionLayer`` (a running state) and ``DummyLayer`` (no
+    cache), with RoPE (if any) whose frequencies do not depend on the sequence length, and
     the same tokens run in pieces over the cache (past the sliding window, if any) give the
-    same scores as one pass. Everything else is refused
+    same scores as one pass (Mamba's own mixer does not continue a state over several tokens:
+    refused here). Everything else is refused
     before anything is looked up or stored: a block stored now would be served wrong later.
 
     Raises:
@@ -232,5 +249,6 @@ def probe_model(model: Any, output_cache: Any) -> Layout:
     if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
-    (kshape, vshape, dtype), = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in kv_layers(cache)}
-    return len(cache.layers), kshape[1], kshape[3], vshape[3], dtype
+    kv = kv_layers(cache)
+    (kshape, vshape, dtype), = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in kv}
+    return (len(kv), kshape[1], kshape[3], vshape[3], dtype), state_signature(cache)

@@ -23,9 +23,14 @@ CAPACITY_STEP = 512  # load buffers hold a multiple of this many tokens
 
 
 def kv_layers(cache: Any) -> list[tuple[Any, Any]]:
-    """(keys, values) per layer, across transformers' cache layouts."""
+    """(keys, values) of every layer that keeps KV, across transformers' cache layouts.
+
+    Linear-attention/SSM layers (a running state, no KV) and layers without a cache of their
+    own (``DummyLayer``) are left out: see _states.py.
+    """
     if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        return [(layer.keys, layer.values) for layer in cache.layers
+                if hasattr(layer, "keys") and type(layer).__name__ != "DummyLayer"]
     return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers < 4.56
 
 
@@ -110,15 +115,18 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
     classes = reserved_layer_classes()
-    if classes is not None and layers is not None and len(layers) == len(kv):
+    keeps_kv = [layer for layer in layers or [] if type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer")]
+    if classes is not None and layers is not None and len(keeps_kv) == len(kv):
         full, sliding = classes
-        made = []
-        for layer, (k, v) in zip(layers, kv, strict=True):
+        made, next_kv = [], iter(kv)
+        for layer in layers:
             kind = type(layer).__name__
             if kind == "DynamicLayer":
-                made.append(full(k, v, n))
+                made.append(full(*next(next_kv), n))
             elif kind == "DynamicSlidingWindowLayer":
-                made.append(sliding(k, v, n, layer.sliding_window))
+                made.append(sliding(*next(next_kv), n, layer.sliding_window))
+            elif kind in ("LinearAttentionLayer", "DummyLayer"):
+                made.append(layer)  # a state layer gets its state from the store (_states.py); a dummy keeps none
             else:
                 break
         else:

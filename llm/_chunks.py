@@ -115,6 +115,10 @@ class ChunkCache:
         if impl not in ("sdpa", "eager"):
             raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
                                         "tokens in place needs: load the model with attn_implementation='sdpa'")
+        if self.prefix._states():
+            raise UnsupportedModelError("ChunkCache does not serve models with linear-attention/SSM layers: a "
+                                        "passage's running state depends on everything before it, so it cannot move; "
+                                        "PrefixCache serves this model exactly")
         if self.prefix._sliding():
             # Its recompute pass hands attention a mask of its own over every token's KV, which
             # knows nothing of the window; PrefixCache serves these models exactly.

@@ -33,17 +33,21 @@ from promptstore import Entry, PromptStore, chain_keys
 from promptstore._live import autocast_active
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
-from ._admission import Layout, checked_layout, vocab_size
+from ._admission import Layout, States, checked_layout, vocab_size
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, held_tokens, host_view, kv_layers, make_cache
 from ._counts import Counts
 from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
+from ._states import STATE_KIND, read_states, restore_states, states_fit
 
 __all__ = ["PrefixCache", "KIND"]
 
 KIND = "llm.kv"
 _STORED_DTYPES = ("F64", "F32", "F16", "BF16")  # what stored KV may be: anything else under a key is a miss
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
+# Linear-attention/SSM models: a miss stores every layer's running state about this often (a
+# whole number of blocks), and at each request's end. Measured in bench/llm_families.py.
+STATE_EVERY_TOKENS = 512
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -96,7 +100,7 @@ class PrefixCache:
         # Only the last position's scores are returned: computing the others costs a vocabulary-wide
         # projection per prompt token.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._layout: tuple[Any, Layout] | None = None
+        self._layout: tuple[Any, tuple[Layout, States]] | None = None
         self._structure: tuple[str, list[tuple[str, Any]]] | None = None  # this request's live model structure
         self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
         self._total = Counts()
@@ -118,9 +122,11 @@ class PrefixCache:
         width = k_dim if k_dim == v_dim else f"{k_dim}/{v_dim}"  # keys and values of one width: as before
         # Read on every request (microseconds when unchanged): a tokenizer edited in place
         # (add_tokens, another chat template) is another key at once.
+        states = self._states()
         return [model_fingerprint(self.model, self._structure), tokenizer_fingerprint(self.tokenizer),
                 ambient_fingerprint(), cache_code_fingerprint(),
-                f"kv:{stored}:dynamic[{layers},{heads},T,{width}]", f"block:{self.block_tokens}"]
+                f"kv:{stored}:dynamic[{layers},{heads},T,{width}]", f"block:{self.block_tokens}",
+                *([f"states:{sorted(states.items())}"] if states else [])]
 
     def _root_key(self) -> bytes:
         # Hashes every weight (tens of ms): callers take it once per request.
@@ -130,7 +136,14 @@ class PrefixCache:
         if self._layout is None:
             self._refresh_layout()
         assert self._layout is not None
-        return self._layout[1]
+        return self._layout[1][0]
+
+    def _states(self) -> States:
+        """The model's linear-attention/SSM state tensors (empty: every layer keeps KV)."""
+        if self._layout is None:
+            self._refresh_layout()
+        assert self._layout is not None
+        return self._layout[1][1]
 
     def _refresh_layout(self) -> None:
         """Check the model as it is now, and re-derive the layout whenever its live identity moved.
@@ -250,9 +263,15 @@ class PrefixCache:
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_cached = self._lookup_into(ids, buffers)
+        state = None
+        if self._states() and n_cached:
+            n_cached, state = self._state_point(ids, n_cached)
         if n_cached == 0:
             return None, 0
-        return make_cache(buffers, n_cached, self.model.config), n_cached
+        cache = make_cache(buffers, n_cached, self.model.config)
+        if state is not None:
+            restore_states(cache, state, self.model.device)
+        return cache, n_cached
 
     def _lookup_into(self, ids: np.ndarray, buffers: tuple[Any, Any]) -> int:
         """Read the longest stored prefix of ``ids`` (leaving the last token) into ``buffers``; its length."""
@@ -277,6 +296,49 @@ class PrefixCache:
                 self._copy_tail(buffers, tail, n_cached, shared)
             n_cached += shared
         return n_cached
+
+    # -- running states (linear-attention/SSM layers) --------------------------------------
+    def _state_every(self) -> int:
+        """Tokens between the states a miss stores (a whole number of blocks, about STATE_EVERY_TOKENS)."""
+        return max(1, round(STATE_EVERY_TOKENS / self.block_tokens)) * self.block_tokens
+
+    def _state_key(self, ids: np.ndarray, n: int, keys: list[bytes] | None = None) -> bytes:
+        """Where the state after the first ``n`` tokens lives: under the last full block, with the tokens after it."""
+        b = n // self.block_tokens
+        keys = keys if keys is not None and len(keys) >= b else self._block_keys(ids, b)
+        parent = keys[b - 1] if b else self._request_root()
+        return self.store.key(STATE_KIND, ids[b * self.block_tokens : n].astype("<i4").tobytes(),
+                              fingerprints=[parent.hex()])
+
+    def _state_point(self, ids: np.ndarray, n_kv: int) -> tuple[int, Any]:
+        """The longest prefix of at most ``n_kv`` tokens whose every layer's state is stored: (tokens, entry).
+
+        Tried, longest first: every length from ``n_kv`` back to the block boundary before it
+        (where earlier requests ended: a document prefilled alone, then questions after it), then
+        the states a miss stored every ``_state_every()`` tokens. (0, None) if none is stored.
+        """
+        every = self._state_every()
+        keys = self._block_keys(ids, n_kv // self.block_tokens)
+        signature = self._states()
+        boundary = n_kv // self.block_tokens * self.block_tokens
+        for n in dict.fromkeys([*range(n_kv, boundary - 1, -1), *range(boundary // every * every, 0, -every)]):
+            if n <= 0:
+                continue
+            entry = self.store.get(self._state_key(ids, n, keys), kind=STATE_KIND)
+            if entry is not None and states_fit(entry, signature):
+                return n, entry
+        return 0, None
+
+    def _store_state(self, ids: np.ndarray, n: int, cache: Any, seconds_per_token: float) -> None:
+        """Store the state of every state layer after the first ``n`` tokens (what ``cache`` holds now)."""
+        key = self._state_key(ids, n)
+        if key in self.store:
+            return
+        b = n // self.block_tokens
+        parent = self._block_keys(ids, b)[-1] if b else None
+        # Recomputing a state means running its whole prefix: that is what it saves.
+        self.store.put(key, read_states(cache), kind=STATE_KIND, cost_s=seconds_per_token * n, parent=parent,
+                       meta={"tokens": str(n)})
 
     def _tail_key(self, parent: bytes | None, first_token: int) -> bytes:
         """Where the partial block after ``parent`` (None: the chain's root) starting with ``first_token`` lives."""
@@ -402,11 +464,9 @@ class PrefixCache:
     # -- storing --------------------------------------------------------------------------
     def _store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
                       seconds_per_token: float) -> None:
-        import torch
-
         n = min(n_in_cache, len(ids))
         last_block = n // self.block_tokens
-        if last_block <= first_block and n == last_block * self.block_tokens:
+        if last_block <= first_block and n == last_block * self.block_tokens and not self._states():
             return
         held = cache.get_seq_length()
         if held != n_in_cache:
@@ -422,6 +482,16 @@ class PrefixCache:
             warnings.warn(f"promptstore: {type(self.model).__name__}'s cache layers hold {sorted(held_tokens(cache))} "
                           f"tokens for {n_in_cache}; nothing stored from it", PromptStoreWarning, stacklevel=3)
             return
+        if not (last_block <= first_block and n == last_block * self.block_tokens):
+            self._store_kv(ids, cache, n, first_block, seconds_per_token)
+        if self._states() and n == n_in_cache:
+            self._store_state(ids, n, cache, seconds_per_token)  # after its blocks: its parent is one
+
+    def _store_kv(self, ids: np.ndarray, cache: Any, n: int, first_block: int, seconds_per_token: float) -> None:
+        """The full blocks from ``first_block`` and the partial one after them, of the first ``n`` tokens."""
+        import torch
+
+        last_block = n // self.block_tokens
         keys = self._block_keys(ids, last_block)
         kv = kv_layers(cache)
         for b in range(first_block, last_block):
@@ -488,6 +558,29 @@ class PrefixCache:
             self._prefill_tps = (stop - start) / max(seconds, 1e-9)
         return self._output_cache(out), out.logits, seconds
 
+    def _run(self, ids: np.ndarray, start: int, stop: int, cache: Any, last_apart: bool = False) -> tuple[Any, Any, float]:
+        """``_forward`` over ``ids[start:stop]``; for a model with running states, in pieces that end where states are stored.
+
+        A state exists only where a forward ends, so a miss is run up to each multiple of
+        ``_state_every()`` tokens, storing the state there: a later prompt that shares only
+        part of this one resumes from the last such point. ``last_apart`` runs the last token
+        on its own too, so that the same prompt asked again (which leaves its last token to
+        compute) finds the state before it.
+        """
+        if not self._states():
+            return self._forward(ids, start, stop, cache)
+        every = self._state_every()
+        seconds, logits = 0.0, None
+        ends = [*range((start // every + 1) * every, stop, every), *([stop - 1] if last_apart else []), stop]
+        for end in sorted(e for e in set(ends) if e > start):
+            cache, logits, took = self._forward(ids, start, end, cache)
+            seconds += took
+            if end < stop:
+                # The blocks up to here first: a persistent tier takes an entry only after its parent.
+                self._store_blocks(ids, cache, end, start // self.block_tokens, took / max(end - start, 1))
+            start = end
+        return cache, logits, seconds
+
     def _miss_cache(self, n_tokens: int) -> Any:
         """The cache a request without a stored prefix runs into: None (the model's own) unless it has sliding layers.
 
@@ -524,7 +617,7 @@ class PrefixCache:
         ids = self._ids(input_ids)
         self._begin(len(ids))
         cache, n_cached = self._lookup(ids)
-        cache, logits, seconds = self._forward(ids, n_cached, len(ids), cache)
+        cache, logits, seconds = self._run(ids, n_cached, len(ids), cache, last_apart=True)
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
         self._end()
@@ -562,7 +655,7 @@ class PrefixCache:
         cache, n_cached = self._lookup(ids)
         stop = len(ids) - 1
         if stop > n_cached:
-            cache, _, seconds = self._forward(ids, n_cached, stop, cache)
+            cache, _, seconds = self._run(ids, n_cached, stop, cache)
             self._store_blocks(ids, cache, stop, n_cached // self.block_tokens, seconds / (stop - n_cached))
         if cache is None:
             cache = self._miss_cache(len(ids))

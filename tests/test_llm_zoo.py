@@ -28,12 +28,14 @@ from llm_zoo import all_types, build, check_architecture, prompts, vocab_of
 # sliding window, hybrid, MLA.
 # Sliding windows (12 tokens in the zoo, shorter than its prompts): all layers (Mistral), alternating
 # with full ones (Gemma 2), with attention sinks (gpt-oss), chunked (Llama 4); Moshi masks as if it
-# had no window, so pieces over its cache differ from one pass.
+# had no window, so pieces over its cache differ from one pass. Linear-attention/SSM hybrids (Qwen3-Next's
+# Gated DeltaNet, Jamba's Mamba, Nemotron-H with cache-less MLP layers) store running states;
+# pure Mamba keeps no KV at all (refused).
 FAST = {
     "llama": "served", "gpt2": "served", "gemma": "served", "qwen2": "served", "phi3": "served", "bloom": "served",
     "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "refused", "rwkv": "refused",
     "mistral": "served", "gemma2": "served", "gpt_oss": "served", "llama4_text": "served", "moshi": "refused",
-    "qwen3_next": "refused", "deepseek_v3": "served",
+    "qwen3_next": "served", "jamba": "served", "nemotron_h": "served", "deepseek_v3": "served",
 }
 
 
