@@ -38,6 +38,15 @@ _DIMS = {
     # and outside them, and generation runs past them.
     "sliding_window": 12, "attention_chunk_size": 12, "sliding_window_size": 12,
 }
+# Families whose shrunk default config does not build, or keeps no attention layer once cut to
+# two layers: one attention layer beside the state layers, and SSM head counts that divide the
+# tiny widths (heads x head size = expand x hidden).
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "falcon_h1": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+}
 _SPECIAL_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                 "cls_token_id", "mask_token_id", "unk_token_id")
 
@@ -101,7 +110,9 @@ def _keep_layers(cfg: Any, old: int) -> None:
     lists = {n: v for n, v in vars(cfg).items()
              if isinstance(v, (list, tuple)) and len(v) == old and n != "architectures"}
     keep = list(range(LAYERS))
-    kinds = next((v for v in lists.values() if all(isinstance(x, str) for x in v)), None)
+    # The attention kinds decide what a layer caches: read them before other per-layer labels (MLP kinds).
+    named = sorted(lists, key=lambda n: (n not in ("layer_types", "layers_block_type"), n))
+    kinds = next((lists[n] for n in named if all(isinstance(x, str) for x in lists[n])), None)
     if kinds is not None:  # first layer of each kind, then the next ones
         firsts = [kinds.index(k) for k in dict.fromkeys(kinds)]
         keep = sorted(set(firsts) | set(range(max(0, LAYERS - len(firsts)))))
@@ -140,6 +151,8 @@ def build(model_type: str, seed: int = 0) -> tuple[Any, str]:
                 cfg = AutoConfig.for_model(model_type)
                 if level < 2:
                     _shrink(cfg, level, set())
+                    for k, v in _OVERRIDES.get(model_type, {}).items():
+                        setattr(cfg, k, v)
                 if hasattr(cfg, "is_decoder"):
                     cfg.is_decoder = True  # BERT-style models are causal LMs only as decoders
                 with torch.device("meta"):
