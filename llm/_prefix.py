@@ -63,11 +63,12 @@ def _dtype_name(dtype: Any) -> str | None:
 class PrefixCache:
     """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
 
-    Serves transformers causal LMs whose layers keep per-token KV of one shape, full or
-    sliding-window (Llama, Qwen, Mistral, Gemma 1-3, gpt-oss, SmolLM..., keys and values
-    possibly of different widths as in DeepSeek-V3's latent attention), and refuses the
-    others before anything is stored (see ``check_structure`` and ``probe_model`` in
-    _admission.py). Keys cover the model's
+    Serves transformers causal LMs whose attention layers keep per-token KV of one shape, full
+    or sliding-window (Llama, Qwen, Mistral, Gemma 1-3, gpt-oss, SmolLM..., keys and values
+    possibly of different widths as in DeepSeek-V3's latent attention), possibly beside
+    linear-attention/SSM layers whose running state is stored where prefixes end (Qwen3-Next,
+    Jamba, Nemotron-H: see _states.py), and refuses the others before anything is stored
+    (see ``check_structure`` and ``probe_model`` in _admission.py). Keys cover the model's
     fingerprint (config, every weight, attention implementation), the tokenizer, the KV
     dtype and the block size, so a cached block is only ever used by the computation that
     produced it.
