@@ -372,31 +372,62 @@ def _meta_results(group: Group) -> dict[str, str]:
     return out
 
 
+@dataclass
+class Tally:
+    """One group's results: what counts (equivalents left out), what was caught, what is left."""
+
+    results: dict[str, str]
+    equivalent: list[str]  # listed in mutation_equivalent.txt
+    tested: dict[str, str]  # the others that a run reached
+    untested: int  # the others no run has reached yet (an interrupted or partial run)
+
+    @property
+    def caught(self) -> int:
+        # A mutant that makes the tests hang is caught (a user would notice); one no test reaches is not.
+        return sum(s in ("killed", "timeout") for s in self.tested.values())
+
+    @property
+    def left(self) -> list[str]:
+        return sorted(n for n, s in self.tested.items() if s not in ("killed", "timeout"))
+
+    @property
+    def score(self) -> float:
+        return 100 * self.caught / max(len(self.tested), 1)
+
+
+def tally(group: Group, equivalent: dict[str, str]) -> Tally | None:
+    res = results(group)
+    if not res:
+        return None
+    others = {n: s for n, s in res.items() if n not in equivalent}
+    tested = {n: s for n, s in others.items() if s != "not checked"}
+    return Tally(res, sorted(n for n in res if n in equivalent), tested, len(others) - len(tested))
+
+
+def _sampled(group: Group) -> str:
+    return f" (1 in {group.sample})" if group.sample > 1 else ""
+
+
 def report(groups: list[Group]) -> float:
     """Print the score per group and over all, and each survivor; returns the overall score in percent."""
     equivalent = _equivalent()
     caught = total = 0
     for group in groups:
-        res = results(group)
-        if not res:
+        t = tally(group, equivalent)
+        if t is None:
             print(f"{group.name}: not run")
             continue
-        counted = {n: s for n, s in res.items() if n not in equivalent}
-        # A mutant that makes the tests hang is caught (a user would notice); one no test reaches is not.
-        killed = sum(s in ("killed", "timeout") for s in counted.values())
-        left = sorted(n for n, s in counted.items() if s not in ("killed", "timeout"))
-        caught += killed
-        total += len(counted)
-        eq = len(res) - len(counted)
-        stale = sorted(n for n in res if n in equivalent and res[n] in ("killed", "timeout"))
-        for name in stale:
-            print(f"    listed as equivalent but killed (remove it from {EQUIVALENT.name}): {name}")
+        caught += t.caught
+        total += len(t.tested)
+        for name in t.equivalent:
+            if t.results[name] in ("killed", "timeout"):
+                print(f"    listed as equivalent but killed (remove it from {EQUIVALENT.name}): {name}")
         if sources_changed(group):
             print(f"{group.name}: the sources changed since this run; its results are of older code")
-        print(f"{group.name}{f' (1 mutant in {group.sample})' if group.sample > 1 else ''}: {killed}/{len(counted)} caught ({100 * killed / max(len(counted), 1):.1f}%), "
-              f"{eq} equivalent left out")
-        for name in left:
-            print(f"    {counted[name]:<11} {name}")
+        print(f"{group.name}{_sampled(group)}: {t.caught}/{len(t.tested)} caught ({t.score:.1f}%), "
+              f"{len(t.equivalent)} equivalent left out, {t.untested} not tested yet")
+        for name in t.left:
+            print(f"    {t.tested[name]:<11} {name}")
     score = 100 * caught / max(total, 1)
     print(f"mutation score: {caught}/{total} = {score:.1f}%")
     return score
@@ -411,19 +442,17 @@ def markdown(groups: list[Group]) -> str:
     equivalent = _equivalent()
     rows, listed, left = [], [], []
     for group in groups:
-        res = results(group)
-        if not res:
-            rows.append(f"| `{group.name}` | not run | | | |")
+        t = tally(group, equivalent)
+        if t is None:
+            rows.append(f"| `{group.name}`{_sampled(group)} | not run | | | | |")
             continue
-        counted = {n: st for n, st in res.items() if n not in equivalent}
-        killed = sum(st in ("killed", "timeout") for st in counted.values())
-        eq = sorted(n for n in res if n in equivalent)
-        sampled = f" (1 in {group.sample})" if group.sample > 1 else ""
-        rows.append(f"| `{group.name}`{sampled} | {len(res)} | {len(eq)} | {killed} / {len(counted)} | "
-                    f"{100 * killed / max(len(counted), 1):.1f}% |")
-        listed += [f"- `{n}`: {equivalent[n]}" for n in eq]
-        left += [f"- `{n}` ({counted[n]})" for n in sorted(counted) if counted[n] not in ("killed", "timeout")]
-    out = [MARKERS[0], "", "| group | mutants | equivalent | caught | score |", "|---|---|---|---|---|", *rows, ""]
+        older = " (older sources)" if sources_changed(group) else ""
+        rows.append(f"| `{group.name}`{_sampled(group)}{older} | {len(t.results)} | {len(t.equivalent)} | {t.untested} | "
+                    f"{t.caught} / {len(t.tested)} | {t.score:.1f}% |")
+        listed += [f"- `{n}`: {equivalent[n]}" for n in t.equivalent]
+        left += [f"- `{n}` ({t.tested[n]})" for n in t.left]
+    out = [MARKERS[0], "", "| group | mutants | equivalent | not tested yet | caught | score |",
+           "|---|---|---|---|---|---|", *rows, ""]
     out += [f"<details><summary>Surviving mutants not yet triaged ({len(left)})</summary>", "", *left, "", "</details>", ""]
     out += [f"<details><summary>Equivalent mutants and why ({len(listed)})</summary>", "", *listed, "", "</details>", "",
             MARKERS[1]]
