@@ -51,9 +51,10 @@ def ambient_fingerprint() -> str:
 def cache_code_fingerprint() -> str:
     """The live code of the cache classes every attention layer calls into (``DynamicLayer.update``...)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
     from ._buffers import reserved_layer_classes
 
     reserved = reserved_layer_classes()
-    return classes_identity(DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, *(reserved or ()))
+    return classes_identity(DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+                            *(reserved or ()))

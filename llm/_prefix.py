@@ -164,8 +164,10 @@ class PrefixCache:
                                         "outside autocast, or convert the model (model.to(dtype))")
         self._structure = model_structure(self.model)
         # Dtypes read from the tensors themselves: .half() keeps every Parameter object.
+        # The cache classes' code too: a model with running states is run in pieces on a miss, which
+        # is exact only while the code that passed the pieces check is what runs.
         signature = (tuple(sorted({str(t.dtype) for _, t in self._structure[1]})), str(self.model.device),
-                     self._structure[0], ambient_fingerprint())
+                     self._structure[0], ambient_fingerprint(), cache_code_fingerprint())
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))
 

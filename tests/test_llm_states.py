@@ -139,3 +139,26 @@ def test_chunkcache_refuses_running_states(models, store):
 
     with pytest.raises(UnsupportedModelError, match="SSM"):
         ChunkCache(models["qwen3_next"], None, store=store)
+
+
+def test_patched_state_layer_code_is_another_key(models, store, monkeypatch):
+    """The state layers' cache code runs in every forward: patched, nothing stored before is served,
+    and the model is checked again (a miss runs in pieces: exact only for code that passed the check)."""
+    from transformers import cache_utils
+
+    model = models["qwen3_next"]
+    doc = np.random.default_rng(4).integers(1, vocab_of(model), 30).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(doc)
+    ids = doc + [5, 6, 7]
+    original = cache_utils.LinearAttentionLayer.update_recurrent_state
+    monkeypatch.setattr(cache_utils.LinearAttentionLayer, "update_recurrent_state",
+                        lambda self, s, *a, **kw: original(self, s, *a, **kw))  # other code, the same numbers
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "after the state code was replaced")
+    assert pc.stats["last"]["served"] == 0
+    monkeypatch.setattr(cache_utils.LinearAttentionLayer, "update_recurrent_state",
+                        lambda self, s, *a, **kw: original(self, s + 1.0, *a, **kw))  # pieces differ from one pass
+    kept = {e.key for e in store.ls("llm.state")}
+    with pytest.raises(UnsupportedModelError, match="in pieces"):
+        pc.prefill(ids)
+    assert {e.key for e in store.ls("llm.state")} == kept  # refused before anything was stored

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import open_clip
@@ -253,3 +254,53 @@ def test_a_half_or_bfloat16_detector_gets_its_own_dtype_from_the_store(kind, dty
         for name, value in outputs(out, kind).items():
             expected = outputs(ref, kind)[name]
             assert value.dtype == expected.dtype and torch.equal(value, expected), name
+
+
+def test_a_processor_without_a_tokenizer_is_refused(clip_tokenizer, tmp_path):
+    """The image processor alone has no tokenizer to name in the key: a typed error, nothing stored."""
+    model, processor = build("owlv2", clip_tokenizer)
+    with PromptStore(tmp_path / "s") as store:
+        with pytest.raises(InvalidInputError, match="processor must be"):
+            owl_detect(model, processor.image_processor, QUERIES, images=images(1), store=store)
+        assert not store.ls()
+
+
+def slow_text(module, args, output) -> None:
+    """A forward hook making each text-tower call take 50 ms (module-level: no state, see tests/counting.py)."""
+    time.sleep(0.05)
+
+
+def test_stats_count_each_query_under_vision_text_and_a_hit_saves_what_its_miss_spent(clip_tokenizer, tmp_path):
+    """store.stats(): every query looked up is counted under vision.text, and the hits' seconds_saved is
+    the text work their misses recorded: at least the text tower's own time, never more than the call took."""
+    model, processor = build("owlv2", clip_tokenizer)
+    model.owlv2.text_model.register_forward_hook(slow_text)  # in place before the first call: one model
+    queries = QUERIES + ["a ladder", "a shelf", "a truck", "a helmet"]
+    pixel_values = processor(images=images(1), return_tensors="pt")["pixel_values"]
+    with PromptStore(tmp_path / "s") as store:
+        t0 = time.perf_counter()
+        owl_detect(model, processor, queries, pixel_values=pixel_values, store=store)
+        took = time.perf_counter() - t0
+        with TextRuns(model) as runs:
+            owl_detect(model, processor, queries, pixel_values=pixel_values, store=store)
+        assert runs.rows == 0
+        kinds = store.stats()["kinds"]
+    assert list(kinds) == ["vision.text"]
+    assert (kinds["vision.text"]["misses"], kinds["vision.text"]["hits"]) == (len(queries), len(queries))
+    assert 0.05 <= kinds["vision.text"]["seconds_saved"] <= took
+
+
+def test_the_attention_mask_reaches_the_text_tower(tmp_path):
+    """A tokenizer padding on the left puts the padding before each query, where only the attention mask
+    keeps it out of the text tower: the query embeddings are still the base model's own text_embeds.
+    (Not the plain detection call: it reads a first id of 0 as a padded query.)"""
+    tok = clip_tokenizer_in(tmp_path)  # its own: edited below
+    tok.padding_side = "left"
+    model, processor = build("owlv2", tok)
+    imgs = images(1)
+    assert processor(text=QUERIES, return_tensors="pt")["input_ids"][0, 0] == 0  # padded on the left
+    with PromptStore(tmp_path / "s") as store:
+        out = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+    with torch.no_grad():
+        ref = model.owlv2(**processor(text=QUERIES, images=imgs, return_tensors="pt")).text_embeds
+    assert (out.text_embeds[0] - ref).abs().max().item() <= 1e-5

@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from promptstore.vision import (
     set_classes,
     visual_pe,
 )
+from promptstore.vision._classes import Recipes, detector_fingerprint
 
 from conftest import run_python
 
@@ -271,6 +273,9 @@ def test_an_npz_handle_is_refused_where_it_cannot_be_served(encoder, store, tmp_
         (["n01440764"], handle, InvalidInputError, "does not hold"),  # what was encoded is not what the NPZ says
         (["tench"], "renamed.npz", InvalidInputError, "handle"),  # a path is no handle
         (["tench"], "npz:" + "0" * 64, ModelUnavailableError, "not in this store"),
+        (["tench"], "npz:" + "0" * 10, InvalidInputError, "handle"),  # hex, but not 64 characters of it
+        (["tench"], "0" * 68, InvalidInputError, "handle"),  # 68 hex characters without the "npz:"
+        (["tench"], "npz:X" + "0" * 63, InvalidInputError, "handle"),  # one character is not hex (the first)
     ]
     for names, source, error, match in cases:
         with pytest.raises(error, match=match):
@@ -283,6 +288,116 @@ def test_an_npz_handle_is_refused_where_it_cannot_be_served(encoder, store, tmp_
         set_classes(medium, ["tench"], store=store, source=handle)
     assert model.model.names == before_names and torch.equal(model.model.pe, before_pe)
     assert len(store.ls()) == before_entries
+    # The handle not in the store was one lookup of an NPZ, and stats() counts its miss as one.
+    kinds = store.stats()["kinds"]
+    assert kinds["vision.npz"]["misses"] == 1 and "unknown" not in kinds
+
+
+def test_an_entry_under_a_handles_key_that_is_not_that_npz_is_never_served(store, tmp_path):
+    """A store is shared (one folder, bundles from other hosts): what it holds under a handle's key is
+    checked against the handle, so content that is not the NPZ the handle names is refused, never served."""
+    handle = import_npz(yoloe(), _npz(tmp_path / "ab.npz"), store=store).source
+    [info] = store.ls(kind="vision.npz")
+    good = store.get(info.key)
+    pe, payload, meta = np.array(good.tensors["pe"]), np.array(good.tensors["names"]), dict(good.meta)
+    replaced = [
+        {"pe": pe + 1, "names": payload},  # other embeddings for the same names
+        {"pe": pe, "names": np.frombuffer(b"not a vocabulary", np.uint8)},  # names import_npz never wrote
+        {"pe": pe, "names": np.concatenate([payload, np.zeros(1, np.uint8)])},  # a byte past the last name
+        {"pe": pe},  # no names at all
+    ]
+    model = yoloe()
+    before = dict(model.model.names)
+    for tensors in replaced:
+        store.put(info.key, tensors, kind="vision.npz", meta=meta)
+        with pytest.raises(ModelUnavailableError, match="not in this store"):
+            set_classes(model, ["a", "b"], store=store, source=handle)
+    assert model.model.names == before and getattr(model.model, "pe", None) is None  # never applied
+
+
+def test_a_handle_alone_serves_from_the_default_store_and_reports_what_it_did(encoder, tmp_path, monkeypatch):
+    """set_classes(source=...) without a store reads PromptStore()'s, and its report is what happened:
+    each name from the NPZ's one entry, nothing encoded, the seconds it took, whether the encoder passed
+    along was built. The inner detection model carries no NPZ model id: refused, as import_npz does."""
+    monkeypatch.setenv("PROMPTSTORE_DIR", str(tmp_path / "default"))
+    handle = import_npz(yoloe(), _npz(tmp_path / "ab.npz")).source
+    encoder.encode(["pallet"])  # built
+    model = yoloe()
+    t0 = time.perf_counter()
+    r = set_classes(model, ["b"], source=handle, encoder=encoder)
+    took = time.perf_counter() - t0
+    assert (r.names, r.hits, r.text_hits, r.misses, r.encoder_loaded, r.from_set, r.source) == (
+        1, 1, 0, 0, True, True, handle)
+    assert 0 <= r.seconds <= took
+    assert list(model.model.names.values()) == ["b"]
+    assert set_classes(model, ["a", "b"], source=handle).encoder_loaded is False  # no encoder at all
+    with pytest.raises(InvalidInputError, match="needs an ultralytics.YOLOE"):
+        set_classes(model.model, ["a"], source=handle)
+
+
+# Pinned like tests/test_keys.py's GOLDEN: a class prompt stored by one release, or an NPZ handle kept
+# in a config file, is found by the next only while these recipes stay as they are.
+GOLDEN_RECIPES = {
+    "text": "ca93ac919a75bf7a9c8165c3ab224925dc450bdb1a9fcc688adf3bdef028cf31",
+    "pe": "aec56df3f0688d162301e1ad59a209bb0fe366fad7c7da431946cf109ca0af2f",
+    "vocabulary": "91fe94c0f3c7f30a44dfd463e4c42f5aaba6a0433267a8139faf25aee16688ac",
+}
+GOLDEN_HANDLE = "npz:98afd667403fe63a1da4b494196ec0c188e31f4d11009cad8a341664be625111"
+GOLDEN_NPZ_KEY = "cfcc0e761fc96cb19a05aadc7e2742e6ee84ec0f7a483cfdf01c4d75efe387e1"
+
+
+def test_class_prompt_keys_and_npz_handles_are_pinned(store, tmp_path):
+    keys = Recipes(store, "encoder-fp", "detector-fp")
+    assert keys.text("forklift").hex() == GOLDEN_RECIPES["text"]
+    assert keys.pe("forklift").hex() == GOLDEN_RECIPES["pe"]
+    assert keys.vocabulary(["forklift", "pallet"]).hex() == GOLDEN_RECIPES["vocabulary"]
+    emb = np.arange(1024, dtype=np.float32).reshape(1, 2, 512) / 1024  # names "a", "b"; model yoloe-11s
+    assert import_npz(yoloe(), _npz(tmp_path / "ab.npz", embeddings=emb), store=store).source == GOLDEN_HANDLE
+    assert [i.key.hex() for i in store.ls()] == [GOLDEN_NPZ_KEY]
+
+
+class UsersEncoder:
+    """A user's own TextEncoder (the protocol asks for no ``batch``): the real open_clip tower behind it,
+    the size of each ``encode`` call kept, Ctrl-C (KeyboardInterrupt) at the call ``interrupt_at``."""
+
+    def __init__(self, inner, interrupt_at: int | None = None) -> None:
+        self.inner, self.interrupt_at, self.calls = inner, interrupt_at, []
+
+    fingerprint = property(lambda self: self.inner.fingerprint)
+    dim = property(lambda self: self.inner.dim)
+    loaded = property(lambda self: self.inner.loaded)
+
+    def encode(self, texts):
+        self.calls.append(len(texts))
+        if len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.inner.encode(texts)
+
+
+def test_an_interrupted_set_classes_keeps_each_finished_chunk_of_twice_the_batch(encoder, store):
+    """Issue #13 in this process: names are encoded and stored in chunks of 2 x the encoder's batch (of
+    2 x 64 for an encoder without one), each text feature with its share of its chunk's seconds, so
+    Ctrl-C keeps every finished chunk and a rerun encodes only the rest. A name's detector-ready
+    embedding then costs its encoding plus the head's mapping."""
+    names = lvis_names(138)
+    interrupted = UsersEncoder(encoder, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        set_classes(yoloe(), names[:24], store=store, encoder=interrupted, batch=2)
+    assert interrupted.calls == [4, 4, 4] and len(store.ls(kind="vision.text")) == 8
+    no_batch = UsersEncoder(encoder, interrupt_at=2)  # no batch attribute
+    spent_before = sum(i.cost_s for i in store.ls(kind="vision.text"))
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        set_classes(yoloe(), names, store=store, encoder=no_batch)
+    took = time.perf_counter() - t0
+    assert no_batch.calls == [128, 2] and len(store.ls(kind="vision.text")) == 136
+    assert 0 < sum(i.cost_s for i in store.ls(kind="vision.text")) - spent_before <= took
+    model = yoloe()
+    r = set_classes(model, names, store=store, encoder=UsersEncoder(encoder))
+    assert (r.text_hits, r.misses) == (136, 2)
+    keys = Recipes(store, encoder.fingerprint, detector_fingerprint(model))
+    for name in names[-2:]:  # encoded by this call
+        assert store.get(keys.pe(name)).cost_s >= store.get(keys.text(name)).cost_s > 0
 
 
 def test_class_prompt_bundle_moves_to_a_new_folder(encoder, store, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -234,6 +235,31 @@ def test_each_dtype_gets_open_clips_dtype_and_values(dtype, tmp_path):
         assert same(out.double(), expected.double()) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("name", ["ViT-B-32", "MobileCLIP2-B"])
+def test_open_clips_own_low_precision_is_stored_in_its_feature_dtype(name, tmp_path):
+    """open_clip's convert_weights_to_lp (create_model(precision="bf16") for CLIP) converts only the matmul
+    weights: embeddings and layer norms stay float32, encode_text returns bfloat16. The features' dtype is
+    read off the text projection (the model's, or its ``text`` tower's for CustomTextCLIP), so they are
+    stored and served: no fallback to open_clip's own build, no warning."""
+    torch.manual_seed(0)
+    model = open_clip.create_model(name, pretrained=None).eval()
+    open_clip.convert_weights_to_lp(model, torch.bfloat16)
+    Encoded(model.text if hasattr(model, "text") else model)
+    tok = open_clip.get_tokenizer(name)
+    text = getattr(model, "text", model)
+    assert text.positional_embedding.dtype == torch.float32 and text.text_projection.dtype == torch.bfloat16
+    ref = build_zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2])
+    with PromptStore(tmp_path / "s") as store, warnings.catch_warnings():
+        warnings.simplefilter("error", PromptStoreWarning)
+        cold = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        with Encoded(text) as enc:
+            warm = zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES[:2], store=store)
+        assert enc.rows == 0 and len(store.ls(kind=TEXT_KIND)) == 6
+    for out in (cold, warm):
+        assert out.dtype == ref.dtype == torch.bfloat16
+        assert same(out.double(), ref.double()) <= TOLERANCE[torch.bfloat16]
+
+
 def test_entries_of_another_dtype_are_misses(tmp_path):
     """An older release kept float32 entries for a half model, under the same keys: they are never served."""
     from promptstore.vision._zeroshot import CLASS_KIND, CLASSIFIER_KIND
@@ -422,3 +448,27 @@ def test_other_bpe_merges_with_the_same_vocabulary_miss_and_equal_open_clip(vitb
             out = zero_shot_classifier(model, tok, names, templates, store=store)
         assert enc.rows == 6
     assert same(out, ref) <= 1e-6
+
+
+def slow_tower(module, args, output) -> None:
+    """A forward hook making each text-tower call take 100 ms (module-level: no state, see tests/counting.py)."""
+    time.sleep(0.1)
+
+
+def test_stats_count_each_prompt_under_vision_text_and_a_hit_saves_what_its_miss_spent(tmp_path):
+    """store.stats(): each prompt looked up is counted under vision.text, and the hits' seconds_saved is the
+    encoding their misses recorded: at least the tower's own time, never more than the whole build took."""
+    model, tok = clip()
+    model.token_embedding.register_forward_hook(slow_tower)  # in place before the first call: one model
+    classes, templates = CLASSES[:3], TEMPLATES[:2]
+    with PromptStore(tmp_path / "s") as store:
+        t0 = time.perf_counter()
+        zero_shot_classifier(model, tok, classes, templates, store=store)
+        took = time.perf_counter() - t0
+        for info in store.ls(kind="vision.zsset") + store.ls(kind="vision.zsclass"):
+            store.delete(info.key)  # the next build reads every prompt's feature again
+        zero_shot_classifier(model, tok, classes, templates, store=store)
+        text = store.stats()["kinds"]["vision.text"]
+        assert "unknown" not in store.stats()["kinds"]
+    assert (text["misses"], text["hits"]) == (6, 6)
+    assert 0.1 <= text["seconds_saved"] <= took
