@@ -308,13 +308,17 @@ def _repo_path(installed: str) -> Path:
     return REPO / installed
 
 
-def _source_digest(group: Group) -> str:
-    """The group's mutated files as they are now: a mutant's name means one mutant only for these."""
+def _source_digest(group: Group, staged: bool = False) -> str:
+    """The group's mutated files as they are now (``staged``: as the last run tested them).
+
+    A mutant's name means one mutant only for these sources.
+    """
     import hashlib
 
     h = hashlib.sha256()
     for path in sorted(group.functions):
-        h.update(path.encode() + b"\0" + _repo_path(path).read_bytes())
+        source = OUT / group.name / path if staged else _repo_path(path)
+        h.update(path.encode() + b"\0" + (source.read_bytes() if source.exists() else b""))
     return h.hexdigest()
 
 
@@ -339,8 +343,10 @@ def _snapshot(group: Group) -> dict[str, str]:
 
 def save_results(group: Group) -> None:
     """Merge this run's statuses over the kept ones, so that a run of some mutants keeps the others' results."""
-    merged = {**_snapshot(group), **{n: st for n, st in _meta_results(group).items() if st != "not checked"}}
-    _snapshot_path(group).write_text(json.dumps({"sources": _source_digest(group), "results": merged}, indent=0))
+    tested = _source_digest(group, staged=True)
+    kept = _snapshot(group) if tested == _source_digest(group) else {}
+    merged = {**kept, **{n: st for n, st in _meta_results(group).items() if st != "not checked"}}
+    _snapshot_path(group).write_text(json.dumps({"sources": tested, "results": merged}, indent=0))
 
 
 def results(group: Group) -> dict[str, str]:
