@@ -116,14 +116,17 @@ GROUPS = [
               "check_folder", "_read_into", "_pread_all", "_runs", "_other_version", "DiskTier._read", "DiskTier.get",
               "DiskTier.get_into", "DiskTier._counted", "DiskTier.peek", "DiskTier.contains", "DiskTier._drop_corrupt")},
           ("tests/test_disk_reads.py", "tests/test_tiers.py", "tests/test_store.py", "tests/test_versions.py")),
-    # LLM reuse: block and tail keys, what a lookup serves, passages placed, moved and chosen.
+    # LLM reuse: block and tail keys, what a lookup serves, passages placed, moved and chosen,
+    # running states stored and restored.
     Group("llm", {
         "promptstore/llm/_prefix.py": tuple(f"PrefixCache.{m}" for m in (
             "_fingerprints", "_root_key", "_request_root", "_block_keys", "_fits", "_lookup_into", "_tail_key",
-            "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_tail")),
+            "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_kv", "_store_tail", "_state_key",
+            "_state_point", "_store_state", "_run", "_miss_cache")),
+        "promptstore/llm/_states.py": ("state_layers", "read_states", "state_signature", "states_fit", "restore_states"),
         "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate"),
         "promptstore/llm/_buffers.py": ("KVBuffers._allocate", "copy_block")},
-          ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py"),
+          ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py", "tests/test_llm_states.py"),
           # SmolLM2 (real weights), the architecture zoo and the flash-kernel refusal take a minute
           # between them: a survivor would run them all, and they test no reuse path the tiny models miss.
           select="(not across_architectures or stablelm) and not smol and not flash_style and not seed_example"
