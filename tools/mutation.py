@@ -251,7 +251,7 @@ def mutant_names(group: Group, root: Path, env: dict[str, str], recheck: bool) -
                          check=True)
     names = json.loads(out.stdout.strip().splitlines()[-1])
     ours = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in group.patterns) and in_sample(group, n)]
-    skip = set() if recheck else set(_equivalent())
+    skip = set() if recheck else set(equivalent_now(group))
     return sorted(n for n in ours if n not in skip)
 
 
@@ -286,6 +286,54 @@ def run(group: Group, recheck: bool = False, survivors: bool = False, resume: bo
     print(f"== {group.name}: {time.monotonic() - started:.0f} s, mutmut exit {proc.returncode}", flush=True)
     save_results(group)
     return proc.returncode
+
+
+LOCK = REPO / "tools" / "mutation_equivalent.lock"
+
+
+def _function_hashes(group: Group) -> dict[str, str]:
+    """mutmut's hash of each function's code, as the group's last run (or generation) saw it."""
+    out: dict[str, str] = {}
+    root = OUT / group.name / "mutants"
+    for meta in root.rglob("*.py.meta"):
+        module = str(meta.relative_to(root)).removesuffix(".py.meta").removesuffix("/__init__").replace("/", ".")
+        try:
+            data = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        out.update({f"{module}.{fn}": h for fn, h in data.get("hash_by_function_name", {}).items()})
+    return out
+
+
+def _locked() -> dict[str, str]:
+    try:
+        return dict(json.loads(LOCK.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def lock_equivalents(groups: list[Group]) -> int:
+    """Record, for every listed equivalent mutant, the code of its function as it is now (after triage).
+
+    A listing holds only for that code: once the function changes, mutant numbers move and the
+    mutant is run and judged again. Returns how many functions were locked.
+    """
+    equivalent, locked = _equivalent(), _locked()
+    for group in groups:
+        hashes = _function_hashes(group)
+        for name in equivalent:
+            fn = name.split("__mutmut_")[0]
+            if fn in hashes and any(fnmatch.fnmatchcase(name, p) for p in group.patterns):
+                locked[fn] = hashes[fn]
+    LOCK.write_text(json.dumps(dict(sorted(locked.items())), indent=0, ensure_ascii=False) + "\n")
+    return len(locked)
+
+
+def equivalent_now(group: Group) -> dict[str, str]:
+    """The listed equivalent mutants of this group whose function is still the code they were judged on."""
+    hashes, locked = _function_hashes(group), _locked()
+    return {n: r for n, r in _equivalent().items()
+            if locked.get(n.split("__mutmut_")[0]) is not None and locked[n.split("__mutmut_")[0]] == hashes.get(n.split("__mutmut_")[0])}
 
 
 def _equivalent() -> dict[str, str]:
@@ -419,10 +467,9 @@ def _sampled(group: Group) -> str:
 
 def report(groups: list[Group]) -> float:
     """Print the score per group and over all, and each survivor; returns the overall score in percent."""
-    equivalent = _equivalent()
     caught = total = 0
     for group in groups:
-        t = tally(group, equivalent)
+        t = tally(group, equivalent_now(group))
         if t is None:
             print(f"{group.name}: not run")
             continue
@@ -448,9 +495,9 @@ MARKERS = ("<!-- mutation-results -->", "<!-- /mutation-results -->")
 
 def markdown(groups: list[Group]) -> str:
     """The results block of README's Development section: scores, then every equivalent mutant with its reason."""
-    equivalent = _equivalent()
     rows, listed, left = [], [], []
     for group in groups:
+        equivalent = equivalent_now(group)
         t = tally(group, equivalent)
         if t is None:
             rows.append(f"| `{group.name}`{_sampled(group)} | not run | | | | |")
@@ -482,6 +529,8 @@ def main() -> None:
     parser.add_argument("--recheck-equivalent", action="store_true",
                         help=f"also run the mutants listed in {EQUIVALENT.name} (skipped by default: they survive)")
     parser.add_argument("--all", action="store_true", help="every mutant of groups that test a sample by default")
+    parser.add_argument("--lock", action="store_true",
+                        help=f"after triage: bind each mutant listed in {EQUIVALENT.name} to its function's code now")
     parser.add_argument("--resume", action="store_true", help="only the mutants no earlier run of the same sources tested")
     parser.add_argument("--survivors", action="store_true",
                         help="only the mutants that earlier runs of the same sources left alive (after adding tests)")
@@ -492,6 +541,9 @@ def main() -> None:
     groups = [BY_NAME[g] for g in args.groups] or GROUPS
     if args.all:
         groups = [dataclasses.replace(g, sample=1) for g in groups]
+    if args.lock:
+        print(f"{lock_equivalents(groups)} functions locked in {LOCK.name}")
+        return
     if not args.report:
         for group in groups:
             if run(group, args.recheck_equivalent, args.survivors, args.resume) not in (0,):
