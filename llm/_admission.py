@@ -110,7 +110,14 @@ def vocab_size(model: Any) -> int:
 def _check_cache(name: str, text: Any, cache: Any) -> None:
     """Refuse a cache that is not one plain DynamicLayer of full per-token KV per decoder layer."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+    from transformers.cache_utils import (
+        DummyLayer,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
+        LinearAttentionLayer,
+    )
 
     if cache is None:
         raise UnsupportedModelError(f"{name} returns no KV cache (use_cache=True gave none)")
@@ -121,17 +128,19 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
     # attention what transformers' own layer would (see reserved_layer_classes in _buffers.py).
     # Linear-attention/SSM layers are served beside attention layers: their running state is
     # stored where a prefix can end (_states.py); layers without a cache of their own need none.
+    kv_kinds = (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer,
+                LinearAttentionAndSlidingWindowAttentionLayer)
     kinds = sorted({type(layer).__name__ for layer in cache.layers
-                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer, DummyLayer)})
+                    if type(layer) not in (*kv_kinds, LinearAttentionLayer, DummyLayer)})
     if kinds:
         why = []
         if any("Linear" in k or "Mamba" in k for k in kinds):
-            why.append("layers that keep a running state and KV in one (not supported yet)")
+            why.append("linear-attention/SSM layers of a kind not supported")
         if any("Indexed" in k for k in kinds):
             why.append("indexed (sparse) attention keeps indexer state beside the KV")
         raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
                                     f"{'; '.join(why) or 'not plain per-token KV'}")
-    if not any(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+    if not any(type(layer) in kv_kinds for layer in cache.layers):
         raise UnsupportedModelError(f"{name} keeps a running state in every layer and KV in none (a pure "
                                     "SSM/linear-attention model): not supported yet")
     n_layers = getattr(text, "num_hidden_layers", None)

@@ -115,16 +115,13 @@ def _make_cache(buffers: tuple[Any, Any], n: int, config: Any) -> Any:
     cache = DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
     classes = reserved_layer_classes()
-    keeps_kv = [layer for layer in layers or [] if type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer")]
+    keeps_kv = [layer for layer in layers or [] if type(layer).__name__ in (classes or {})]
     if classes is not None and layers is not None and len(keeps_kv) == len(kv):
-        full, sliding = classes
         made, next_kv = [], iter(kv)
         for layer in layers:
             kind = type(layer).__name__
-            if kind == "DynamicLayer":
-                made.append(full(*next(next_kv), n))
-            elif kind == "DynamicSlidingWindowLayer":
-                made.append(sliding(*next(next_kv), n, layer.sliding_window))
+            if kind in classes:
+                made.append(classes[kind](*next(next_kv), n, layer))
             elif kind in ("LinearAttentionLayer", "DummyLayer"):
                 made.append(layer)  # a state layer gets its state from the store (_states.py); a dummy keeps none
             else:
@@ -148,7 +145,7 @@ _RESERVED: Any = False
 
 
 def reserved_layer_classes() -> Any:
-    """Cache layers that write new tokens into spare capacity instead of concatenating: (full, sliding window).
+    """Cache layers that write new tokens into spare capacity instead of concatenating, by the class they replace.
 
     transformers' DynamicLayer copies the whole cached prefix on every forward (torch.cat),
     the prompt's tail and then each generated token: O(prefix) per step. Loaded caches already
@@ -165,7 +162,12 @@ def reserved_layer_classes() -> Any:
     if _RESERVED is not False:
         return _RESERVED
     try:
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        from transformers.cache_utils import (
+            DynamicLayer,
+            DynamicSlidingWindowLayer,
+            LinearAttentionAndFullAttentionLayer,
+            LinearAttentionAndSlidingWindowAttentionLayer,
+        )
     except ImportError:
         _RESERVED = None
         return None
@@ -209,38 +211,60 @@ def reserved_layer_classes() -> Any:
             self.keys, self.values = self._kbuf[:, :, : self._n], self._vbuf[:, :, : self._n]
             return self.keys, self.values
 
-    class _ReservedLayer(_InPlace, DynamicLayer):
-        def __init__(self, kbuf: Any, vbuf: Any, n: int) -> None:
-            DynamicLayer.__init__(self)
-            self._reserve(kbuf, vbuf, n)
-
+    class _Full(_InPlace):
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if not self.is_initialized or not self._in_place():
-                return super().update(key_states, value_states, *args, **kwargs)
+            if not self.is_initialized or not self._in_place():  # type: ignore[attr-defined]
+                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
             with torch.inference_mode(False):  # our buffers stay normal tensors, whatever mode the caller is in
                 return self._write(key_states, value_states)
 
-    class _ReservedSlidingLayer(_InPlace, DynamicSlidingWindowLayer):
-        def __init__(self, kbuf: Any, vbuf: Any, n: int, sliding_window: int) -> None:
-            DynamicSlidingWindowLayer.__init__(self, sliding_window)
-            self._reserve(kbuf, vbuf, n)
-            self.cumulative_length = n
+    class _Sliding(_InPlace):
+        sliding_window: int
+        cumulative_length: int
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if not self.is_initialized or not self._in_place() or self._n != self.cumulative_length:
+            if not self.is_initialized or not self._in_place() or self._n != self.cumulative_length:  # type: ignore[attr-defined]
                 # Back to transformers' own layer, holding what it would hold (the window): the
                 # cache then holds fewer tokens than the sequence, so nothing is stored from it.
                 if self.keys is not None and self.keys.shape[-2] > self.sliding_window - 1:
                     self.keys = self.keys[:, :, -self.sliding_window + 1 :]
                     self.values = self.values[:, :, -self.sliding_window + 1 :]
-                return super().update(key_states, value_states, *args, **kwargs)
+                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
             with torch.inference_mode(False):
                 keys, values = self._write(key_states, value_states)
             self.cumulative_length = self._n
             visible = self.sliding_window - 1 + key_states.shape[-2]  # as DynamicSlidingWindowLayer hands them
             return keys[:, :, -visible:], values[:, :, -visible:]
 
-    _RESERVED = (_ReservedLayer, _ReservedSlidingLayer)
+    # Each takes (keys buffer, values buffer, tokens held, the layer transformers built for this place).
+    class _ReservedLayer(_Full, DynamicLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any = None) -> None:
+            DynamicLayer.__init__(self)
+            self._reserve(kbuf, vbuf, n)
+
+    class _ReservedSlidingLayer(_Sliding, DynamicSlidingWindowLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any) -> None:
+            DynamicSlidingWindowLayer.__init__(self, like.sliding_window)
+            self._reserve(kbuf, vbuf, n)
+            self.cumulative_length = n
+
+    # Layers that keep a running state and KV in one (Falcon-H1, Zaya): KV as above, the state
+    # from the store (_states.py).
+    class _ReservedStateLayer(_Full, LinearAttentionAndFullAttentionLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any) -> None:
+            LinearAttentionAndFullAttentionLayer.__init__(self, number_of_states=like.number_of_states)
+            self._reserve(kbuf, vbuf, n)
+
+    class _ReservedStateSlidingLayer(_Sliding, LinearAttentionAndSlidingWindowAttentionLayer):
+        def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any) -> None:
+            LinearAttentionAndSlidingWindowAttentionLayer.__init__(self, like.sliding_window,
+                                                                   number_of_states=like.number_of_states)
+            self._reserve(kbuf, vbuf, n)
+            self.cumulative_length = n
+
+    _RESERVED = {"DynamicLayer": _ReservedLayer, "DynamicSlidingWindowLayer": _ReservedSlidingLayer,
+                 "LinearAttentionAndFullAttentionLayer": _ReservedStateLayer,
+                 "LinearAttentionAndSlidingWindowAttentionLayer": _ReservedStateSlidingLayer}
     return _RESERVED
 
 

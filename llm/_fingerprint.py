@@ -57,4 +57,4 @@ def cache_code_fingerprint() -> str:
 
     reserved = reserved_layer_classes()
     return classes_identity(DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                            *(reserved or ()))
+                            *(reserved or {}).values())

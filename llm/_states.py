@@ -20,9 +20,14 @@ _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F
 
 
 def state_layers(cache: Any) -> list[int]:
-    """Indices of the cache's linear-attention/SSM layers (transformers' ``LinearAttentionLayer``)."""
-    return [i for i, layer in enumerate(getattr(cache, "layers", None) or [])
-            if type(layer).__name__ == "LinearAttentionLayer"]
+    """Indices of the cache's layers that keep a running state (alone, or beside KV in one layer)."""
+    return [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if isinstance(layer, _state_class())]
+
+
+def _state_class() -> Any:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return LinearAttentionCacheLayerMixin
 
 
 def _tensors(layer: Any) -> list[tuple[str, Any]]:

@@ -95,7 +95,7 @@ def test_a_restored_sliding_layer_hands_attention_what_transformers_layer_does(r
 
     from promptstore.llm._buffers import reserved_layer_classes
 
-    _, sliding = reserved_layer_classes()
+    sliding = reserved_layer_classes()["DynamicSlidingWindowLayer"]
     gen = torch.Generator().manual_seed(restored)
     steps = [restored, 1, 7, 1, 20, 1, 1]
     chunks = [(torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)) for n in steps]
@@ -105,7 +105,7 @@ def test_a_restored_sliding_layer_hands_attention_what_transformers_layer_does(r
     # Room for two more tokens only: the buffer must grow on the way.
     kbuf, vbuf = torch.zeros(1, 2, restored + 2, 16), torch.zeros(1, 2, restored + 2, 16)
     kbuf[:, :, :restored], vbuf[:, :, :restored] = chunks[0]
-    ours = sliding(kbuf, vbuf, restored, WINDOW)
+    ours = sliding(kbuf, vbuf, restored, theirs)
     for k, v in chunks[1:]:
         q = k.shape[-2]
         assert ours.get_mask_sizes(q) == theirs.get_mask_sizes(q)

@@ -35,7 +35,7 @@ FAST = {
     "llama": "served", "gpt2": "served", "gemma": "served", "qwen2": "served", "phi3": "served", "bloom": "served",
     "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "refused", "rwkv": "refused",
     "mistral": "served", "gemma2": "served", "gpt_oss": "served", "llama4_text": "served", "moshi": "refused",
-    "qwen3_next": "served", "jamba": "served", "nemotron_h": "served", "deepseek_v3": "served",
+    "qwen3_next": "served", "jamba": "served", "nemotron_h": "served", "falcon_h1": "served", "deepseek_v3": "served",
 }
 
 
