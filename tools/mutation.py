@@ -265,12 +265,12 @@ def in_sample(group: Group, name: str) -> bool:
 def run(group: Group, recheck: bool = False, survivors: bool = False, resume: bool = False) -> int:
     """Test the group's mutants (``survivors``: only those no earlier run of these sources caught;
     ``resume``: only those no earlier run of these sources tested, as after an interrupted run)."""
-    kept = _snapshot(group)
     root = stage(group)
     # One thread each: mutants run in processes forked from one that has run torch, and an
     # OpenMP pool does not survive a fork (the child waits on threads it no longer has).
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     names = mutant_names(group, root, env, recheck)
+    kept = _snapshot(group)  # after generation: kept only where the function is still the code tested
     if survivors:
         names = [n for n in names if kept.get(n) not in ("killed", "timeout")]
     if resume:
@@ -359,20 +359,6 @@ def _repo_path(installed: str) -> Path:
     return REPO / installed
 
 
-def _source_digest(group: Group, staged: bool = False) -> str:
-    """The group's mutated files as they are now (``staged``: as the last run tested them).
-
-    A mutant's name means one mutant only for these sources.
-    """
-    import hashlib
-
-    h = hashlib.sha256()
-    for path in sorted(group.functions):
-        source = OUT / group.name / path if staged else _repo_path(path)
-        h.update(path.encode() + b"\0" + (source.read_bytes() if source.exists() else b""))
-    return h.hexdigest()
-
-
 def sources_changed(group: Group) -> bool:
     """Whether the sources changed since the group's last run (its scores are then of older code)."""
     return any(not (OUT / group.name / path).exists() or (OUT / group.name / path).read_bytes() != _repo_path(path).read_bytes()
@@ -384,20 +370,27 @@ def _snapshot_path(group: Group) -> Path:
 
 
 def _snapshot(group: Group) -> dict[str, str]:
-    """Statuses kept from earlier runs of the same sources (see ``save_results``)."""
+    """Statuses kept from earlier runs, of mutants whose function is still the code they were tested on.
+
+    The code is mutmut's hash of each function as the group's mutants were last generated (a
+    run generates them from the sources first), so a changed function's results are dropped and
+    the others keep theirs.
+    """
     try:
         data = json.loads(_snapshot_path(group).read_text())
     except (OSError, json.JSONDecodeError):
         return {}
-    return data.get("results", {}) if data.get("sources") == _source_digest(group) else {}
+    hashes = _function_hashes(group)
+    return {name: status for name, (status, code) in data.get("results", {}).items()
+            if hashes.get(name.split("__mutmut_")[0]) == code}
 
 
 def save_results(group: Group) -> None:
     """Merge this run's statuses over the kept ones, so that a run of some mutants keeps the others' results."""
-    tested = _source_digest(group, staged=True)
-    kept = _snapshot(group) if tested == _source_digest(group) else {}
-    merged = {**kept, **{n: st for n, st in _meta_results(group).items() if st != "not checked"}}
-    _snapshot_path(group).write_text(json.dumps({"sources": tested, "results": merged}, indent=0))
+    hashes = _function_hashes(group)
+    merged = {**_snapshot(group), **{n: st for n, st in _meta_results(group).items() if st != "not checked"}}
+    data = {n: [st, hashes.get(n.split("__mutmut_")[0])] for n, st in merged.items()}
+    _snapshot_path(group).write_text(json.dumps({"results": data}, indent=0, ensure_ascii=False))
 
 
 def results(group: Group) -> dict[str, str]:
