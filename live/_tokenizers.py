@@ -88,7 +88,8 @@ def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False) -
                       f"{getattr(v, 'encode_special_tokens', None)!r}")
         walk.emit(f"model:{stamp}:{_model_digest(v, stamp)}")
         return
-    getstate = getattr(v, "__getstate__", None)
-    if getstate is None:
+    # Every object has object.__getstate__ on Python 3.11+, which says nothing of a native one's
+    # contents (tokenizers.Regex): only a class's own __getstate__ names its state.
+    if getattr(type(v), "__getstate__", None) in (None, getattr(object, "__getstate__", None)):
         raise Unidentifiable(path, f"a tokenizers.{type(v).__name__} without a serialisable state")
     walk.emit(f"tokenizers.{type(v).__name__}:{_state(v)}")

@@ -203,9 +203,10 @@ class _CodeMemo:
         source = _source_digest(code.co_filename)
         if source is not None:
             # Code compiled from a file is named by that file's contents (as first seen in this
-            # process), its place in it, and the names and constants it uses (two lambdas on one
-            # line differ by them): the same across Python versions, whose bytecode differs.
-            body = [source, str(code.co_firstlineno)]
+            # process), its place in it (line and columns: two lambdas on one line with the same
+            # names and constants differ by them), and the names and constants it uses: the same
+            # across Python versions, whose bytecode differs.
+            body = [source, str(code.co_firstlineno), _extent(code)]
         strings = tuple(dict.fromkeys(c for c in code_strings(code)))
         out = (xxhash.xxh3_128_hexdigest("\x00".join(body + consts + names).encode("utf-8", "surrogatepass")),
                tuple(dict.fromkeys(names)), strings)
@@ -225,6 +226,19 @@ class _CodeMemo:
                 self._describe(const, body, consts, names)
             else:
                 consts.append(f"{type(const).__name__}:{const!r}")
+
+
+def _extent(code: types.CodeType) -> str:
+    """Where a code object's instructions lie in its source: first and last (line, column)."""
+    positions = getattr(code, "co_positions", None)
+    if positions is None:  # Python 3.10: no columns, so the bytecode tells such code apart
+        return code.co_code.hex()
+    spans = [p for p in positions() if None not in p]
+    if not spans:
+        return ""
+    first = min((line, col) for line, _, col, _ in spans)
+    last = max((end_line, end_col) for _, end_line, _, end_col in spans)
+    return f"{first}-{last}"
 
 
 def code_strings(code: types.CodeType) -> list[str]:

@@ -529,3 +529,292 @@ def test_attention_implementation_switched_live_misses_and_equals_a_recompute(st
     pc.prefill(IDS)
     model.set_attn_implementation("eager")
     assert served_after(pc, what="attention implementation switched to eager") == 0
+
+
+# -- identity details found by mutation testing (each a stale key or a lost refusal) --------------------
+def _fast_tokenizer(model):
+    """A transformers fast tokenizer over a tokenizers model, with a special token held as an AddedToken."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(model), bos_token=AddedToken("<s>", special=True))
+
+
+def _tokenizer_models():
+    """Vocabularies the identity's fixed probe text cannot tell the edits apart by: either every character of
+    the probe is in the vocabulary (no unknown token in it), or none is (and BPE without unk_token drops them)."""
+    from tokenizers import models
+
+    from promptstore._live._tokenizers import _PROBE
+
+    chars = sorted(set(_PROBE))
+    cover = {t: i for i, t in enumerate(chars + ["[UNK]", "<unk>", "d", "g", "dg", "gd", "<0xE2>", "<0x82>", "<0xAC>"])}
+    pieces = {t: i for i, t in enumerate(chars + ["##" + c for c in chars] + ["[UNK]", "<unk>"])}
+    return {
+        "bpe": lambda: models.BPE(cover, [("d", "g")], unk_token="[UNK]"),
+        "bpe_prefix": lambda: models.BPE({"d": 0, "##g": 1, "@@g": 2}, [], continuing_subword_prefix="##"),
+        "bpe_suffix": lambda: models.BPE({"d": 0, "g</w>": 1, "g<w>": 2}, [], end_of_word_suffix="</w>"),
+        "wordpiece": lambda: models.WordPiece(pieces, unk_token="[UNK]"),
+        "wordpiece_prefix": lambda: models.WordPiece({"[UNK]": 0, "d": 1, "##g": 2, "@@g": 3}, unk_token="[UNK]"),
+        "wordpiece_long": lambda: models.WordPiece({"[UNK]": 0, "d": 1, "##d": 2}, unk_token="[UNK]"),
+        "wordlevel": lambda: models.WordLevel({_PROBE: 0, "[UNK]": 1, "<unk>": 2}, unk_token="[UNK]"),
+    }
+
+
+# (model, setting, new value, a text whose tokens the edit changes)
+MODEL_SETTINGS = [("bpe", "unk_token", "<unk>", "€"), ("bpe", "fuse_unk", True, "€€"), ("bpe", "byte_fallback", True, "€"),
+                  ("bpe", "dropout", 1.0, "dg"), ("bpe", "ignore_merges", True, "gd"),
+                  ("bpe_prefix", "continuing_subword_prefix", "@@", "dg"), ("bpe_suffix", "end_of_word_suffix", "<w>", "dg"),
+                  ("wordpiece", "unk_token", "<unk>", "€"), ("wordpiece_prefix", "continuing_subword_prefix", "@@", "dg"),
+                  ("wordpiece_long", "max_input_chars_per_word", 200, "d" * 150), ("wordlevel", "unk_token", "<unk>", "zzz")]
+
+
+@pytest.mark.parametrize(("kind", "setting", "value", "text"), MODEL_SETTINGS,
+                         ids=[f"{k}-{s}" for k, s, _, _ in MODEL_SETTINGS])
+def test_a_tokenizer_model_setting_edited_in_place_changes_the_identity(kind, setting, value, text):
+    """Every model setting the Python API can edit in place is read on every call: the identity moves at
+    once, although the model's vocabulary digest is remembered (and the probe text tokenizes as before)."""
+    from promptstore._live import tokenizer_identity
+
+    make = _tokenizer_models()[kind]
+    tok, untouched = _fast_tokenizer(make()), _fast_tokenizer(make())
+    before = tokenizer_identity(tok)
+    assert tokenizer_identity(tok) == before  # remembered, unchanged
+    original = getattr(tok.backend_tokenizer.model, setting)
+    setattr(tok.backend_tokenizer.model, setting, value)
+    # (text is encoded only now: BPE caches a word's tokens and keeps them through a setting's edit)
+    assert tok(text, add_special_tokens=False)["input_ids"] != untouched(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer_identity(tok) != before, f"{setting} edited in place kept the old identity"
+    setattr(tok.backend_tokenizer.model, setting, original)
+    assert tokenizer_identity(tok) == before
+
+
+def test_a_tokenizer_model_replaced_by_one_with_other_merges_changes_the_identity():
+    """Same type, settings, size and vocabulary, other merges: the tokens of the probe text tell them apart."""
+    from tokenizers import models
+
+    from promptstore._live import tokenizer_identity
+    from promptstore._live._tokenizers import _PROBE
+
+    a, b, c = _PROBE[:3]
+    vocab = {a: 0, b: 1, c: 2, a + b: 3, b + c: 4}
+    tok = _fast_tokenizer(models.BPE(vocab, [(a, b)]))
+    before, tokens = tokenizer_identity(tok), tok(a + b + c, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.model = models.BPE(vocab, [(b, c)])
+    assert tok(a + b + c, add_special_tokens=False)["input_ids"] != tokens
+    assert tokenizer_identity(tok) != before
+
+
+def test_a_raw_tokenizer_keeps_encode_special_tokens_between_calls():
+    """A tokenizers.Tokenizer used as it is: encode_special_tokens, set once, changes every later encode."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from promptstore._live import tokenizer_identity
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "<": 1, "|": 2, "x": 3, ">": 4, "[UNK]": 5}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.add_special_tokens([AddedToken("<|x|>", special=True)])
+    before, tokens = tokenizer_identity(backend), backend.encode("a<|x|>").ids
+    backend.encode_special_tokens = True
+    assert backend.encode("a<|x|>").ids != tokens
+    assert tokenizer_identity(backend) != before
+
+
+def test_a_tokenizer_holding_a_tokenizers_part_is_keyed_by_it():
+    """A Python-side tokenizer that holds a tokenizers part (a normaliser) is described by its state."""
+    from tokenizers import normalizers
+
+    from promptstore._live import tokenizer_identity
+
+    class Normalising:
+        def __init__(self, normalizer):
+            self.normalizer = normalizer
+
+        def __call__(self, text):
+            return self.normalizer.normalize_str(text).split()
+
+    tok = Normalising(normalizers.Lowercase())
+    before = tokenizer_identity(tok)
+    tok.normalizer = normalizers.Strip()
+    assert tok(" A b ") != Normalising(normalizers.Lowercase())(" A b ")
+    assert tokenizer_identity(tok) != before
+
+
+def test_the_prefix_cache_fingerprint_follows_its_tokenizer(store):
+    from tokenizers import models
+
+    tok = _fast_tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    pc = PrefixCache(tiny(), tok, store=store, block_tokens=8)
+    before = pc.fingerprint
+    tok.backend_tokenizer.model.unk_token = "b"
+    assert pc.fingerprint != before
+
+
+def test_a_tokenizer_identity_does_not_keep_the_tokenizer_alive():
+    import gc
+    import weakref
+
+    from tokenizers import models
+
+    from promptstore._live import tokenizer_identity
+
+    tok = _fast_tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer_identity(tok)
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None, "the identity's memo keeps the tokenizer (and everything it holds) alive"
+
+
+def test_autocast_is_refused_before_anything_is_stored(store):
+    from promptstore._live import autocast_active
+
+    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_active(torch, "cpu") == "torch.bfloat16"
+        with pytest.raises(UnsupportedModelError, match="autocast"):
+            pc.prefill(IDS)
+    assert autocast_active(torch, "cpu") is None
+    assert not store.ls("llm.kv")
+
+
+@pytest.mark.parametrize("patched", ["DynamicCache.__init__", "DynamicLayer", "DynamicSlidingWindowLayer"])
+def test_the_cache_classes_restored_caches_run_are_keyed(store, monkeypatch, patched):
+    """transformers' cache classes, and promptstore's layers that restored caches run in their place."""
+    from transformers import cache_utils
+
+    from promptstore.llm._buffers import reserved_layer_classes
+
+    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    before = pc.fingerprint
+    if patched == "DynamicCache.__init__":
+        original = cache_utils.DynamicCache.__init__
+        monkeypatch.setattr(cache_utils.DynamicCache, "__init__", lambda self, *a, **kw: original(self, *a, **kw))
+    else:
+        cls = reserved_layer_classes()[patched]  # the layer promptstore restores in place of this one
+        original = cls.update
+        monkeypatch.setattr(cls, "update", lambda self, k, v, *a, **kw: original(self, k, v * 1.5, *a, **kw))
+    assert pc.fingerprint != before
+
+
+def test_classes_identity_follows_init_and_call(monkeypatch):
+    from promptstore._live import classes_identity
+
+    class Scaler:
+        def __init__(self):
+            self.s = 1.0
+
+        def __call__(self, x):
+            return x * self.s
+
+    before = classes_identity(Scaler)
+    monkeypatch.setattr(Scaler, "__call__", lambda self, x: x * self.s * 2)
+    after_call = classes_identity(Scaler)
+    assert after_call != before
+    monkeypatch.setattr(Scaler, "__init__", lambda self: setattr(self, "s", 3.0))
+    assert classes_identity(Scaler) != after_call
+
+
+def test_a_numpy_array_on_the_forward_path_is_refused(store):
+    """An array's values cannot be read through its fields: refused, never keyed by its type alone."""
+    model = tiny()
+    model.model.layers[0].mlp.table = np.ones(3)
+    with pytest.raises(UnsupportedModelError, match="table"):
+        PrefixCache(model, None, store=store, block_tokens=8).prefill(IDS)
+    assert not store.ls("llm.kv")
+
+
+def test_code_compiled_under_a_non_python_file_name_is_named_by_its_code(store, tmp_path):
+    """A notebook compiles its cells under the notebook's own file name: two versions of a cell share
+    that file, line and constants, and differ only in their bytecode."""
+    notebook = tmp_path / "analysis.ipynb"
+    notebook.write_text("{}")
+
+    def cell(op):
+        namespace = {}
+        source = f"def forward(self, x):\n    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) {op} 2\n"
+        exec(compile(source, str(notebook), "exec"), namespace)
+        return types.MethodType(namespace["forward"], mlp)
+
+    model = tiny()
+    mlp = model.model.layers[0].mlp
+    mlp.forward = cell("*")
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    mlp.forward = cell("/")
+    assert served_after(pc, what="a notebook cell run again, edited") == 0
+
+
+def test_code_from_a_python_file_is_named_by_its_source_not_its_bytecode(tmp_path):
+    """Keys stay the same across Python versions, whose bytecode for one file differs (stood in for here by
+    a code object rebuilt with other bytecode)."""
+    from promptstore._live._walk import CODE_MEMO
+
+    path = tmp_path / "steer.py"
+    path.write_text("def act(x):\n    return x * 2\n")
+    namespace = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    code = namespace["act"].__code__
+    other = compile("def act(x):\n    return x / 2\n", "<other>", "exec").co_consts[0]
+    assert other.co_code != code.co_code
+    assert CODE_MEMO.get(code.replace(co_code=other.co_code))[0] == CODE_MEMO.get(code)[0]
+
+
+def test_code_without_a_source_file_is_named_with_its_flags():
+    """``lambda *a: a`` and ``lambda **a: a`` compile to the same bytecode; called with nothing they return
+    () and {}."""
+    from promptstore._live import module_identity
+
+    namespace = {}
+    exec("positional = lambda *a: a\nkeywords = lambda **a: a\n", namespace)
+    holder = torch.nn.Linear(2, 2)
+    holder.fn = namespace["positional"]
+    before = module_identity(holder)
+    holder.fn = namespace["keywords"]
+    assert holder.fn() != namespace["positional"]()
+    assert module_identity(holder) != before
+
+
+def test_an_object_with_slots_is_keyed_by_what_they_hold():
+    from promptstore._live import module_identity
+
+    class Scale:
+        __slots__ = ("factor",)
+
+        def __init__(self, factor):
+            self.factor = factor
+
+    holder = torch.nn.Linear(2, 2)
+    holder.scale = Scale(1.0)
+    before = module_identity(holder)
+    holder.scale.factor = 2.0  # edited in place: the same object
+    assert module_identity(holder) != before
+
+
+def test_two_functions_on_one_line_with_the_same_names_and_constants_are_told_apart():
+    """Code from a file is named by its place in it: the columns too, not the line alone."""
+    from promptstore._live import module_identity
+
+    module = torch.nn.Linear(2, 2)
+    double, half = (lambda x: x * 2), (lambda x: x / 2)  # one line; the same names and constants
+    module.fn = double
+    before = module_identity(module)
+    module.fn = half
+    assert module_identity(module) != before
+
+
+def test_a_tokenizer_holding_a_native_part_without_its_own_state_is_refused():
+    """tokenizers.Regex has no state of its own to read (only object.__getstate__): refused, never named by its type."""
+    from tokenizers import Regex
+
+    from promptstore._live import tokenizer_identity
+
+    class Splitting:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def __call__(self, text):
+            return text.split()
+
+    with pytest.raises(UnsupportedModelError, match="serialisable state"):
+        tokenizer_identity(Splitting(Regex(r"\s+")))
