@@ -140,14 +140,15 @@ def _check_cache(name: str, text: Any, cache: Any) -> None:
             why.append("indexed (sparse) attention keeps indexer state beside the KV")
         raise UnsupportedModelError(f"{name}'s cache has {', '.join(kinds)} layers: "
                                     f"{'; '.join(why) or 'not plain per-token KV'}")
-    if not any(type(layer) in kv_kinds for layer in cache.layers):
-        raise UnsupportedModelError(f"{name} keeps a running state in every layer and KV in none (a pure "
-                                    "SSM/linear-attention model): not supported yet")
+    if not any(type(layer) in (*kv_kinds, LinearAttentionLayer) for layer in cache.layers):
+        raise UnsupportedModelError(f"{name} keeps neither KV nor a running state in any layer")
     n_layers = getattr(text, "num_hidden_layers", None)
     if isinstance(n_layers, int) and n_layers != len(cache.layers):
         raise UnsupportedModelError(f"{name} fills {len(cache.layers)} cache layers for {n_layers} decoder layers "
                                     "(shared or skipped KV): not supported")
     layers = kv_layers(cache)
+    if not layers:
+        return  # a running state in every layer (Mamba2): no KV to check
     if any(k is None or v is None for k, v in layers):
         raise UnsupportedModelError(f"{name} leaves some cache layers empty: not supported")
     # A sliding layer holds the last tokens only: shapes are compared without the token axis.
@@ -259,5 +260,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States]:
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
     kv = kv_layers(cache)
+    if not kv:  # every layer a running state: blocks hold no KV, only their place in the chain
+        return (0, 0, 0, 0, next(model.parameters()).dtype), state_signature(cache)
     (kshape, vshape, dtype), = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in kv}
     return (len(kv), kshape[1], kshape[3], vshape[3], dtype), state_signature(cache)

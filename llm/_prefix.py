@@ -471,7 +471,9 @@ class PrefixCache:
         last_block = n // self.block_tokens
         if last_block <= first_block and n == last_block * self.block_tokens and not self._states():
             return
-        held = cache.get_seq_length()
+        # A cache of running states only (Mamba2) holds no per-token KV to count: its state is
+        # that of the tokens this request ran through it.
+        held = cache.get_seq_length() if kv_layers(cache) else n_in_cache
         if held != n_in_cache:
             # The cache does not hold exactly these tokens (MPT's generate re-feeds the whole
             # sequence into a given cache at every step): storing slices of it would key wrong
@@ -479,7 +481,7 @@ class PrefixCache:
             warnings.warn(f"promptstore: {type(self.model).__name__} left {held} positions in the KV cache for "
                           f"{n_in_cache} tokens; nothing stored from it", PromptStoreWarning, stacklevel=3)
             return
-        if held_tokens(cache) != {n_in_cache}:
+        if kv_layers(cache) and held_tokens(cache) != {n_in_cache}:
             # A layer keeps fewer tokens than the sequence (a sliding window in transformers' own
             # layer): its slices would not be these tokens' KV.
             warnings.warn(f"promptstore: {type(self.model).__name__}'s cache layers hold {sorted(held_tokens(cache))} "
@@ -502,8 +504,8 @@ class PrefixCache:
                 continue
             lo, hi = b * self.block_tokens, (b + 1) * self.block_tokens
             with torch.no_grad():
-                k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
-                v = torch.stack([layer_v[0, :, lo:hi, :] for _, layer_v in kv])
+                k = self._stack(kv, 0, lo, hi)
+                v = self._stack(kv, 1, lo, hi)
             parent = keys[b - 1] if b else None
             if self.store.put(keys[b], {"k": self._to_stored(k), "v": self._to_stored(v)}, kind=KIND,
                               cost_s=seconds_per_token * self.block_tokens, parent=parent,
@@ -530,11 +532,19 @@ class PrefixCache:
             return  # the stored tail already starts with all of these tokens
         hi = lo + len(tokens)
         with torch.no_grad():
-            k = torch.stack([layer_k[0, :, lo:hi, :] for layer_k, _ in kv])
-            v = torch.stack([layer_v[0, :, lo:hi, :] for _, layer_v in kv])
+            k = self._stack(kv, 0, lo, hi)
+            v = self._stack(kv, 1, lo, hi)
         self.store.put(key, {"tokens": tokens.astype(np.int32), "k": self._to_stored(k), "v": self._to_stored(v)},
                        kind=KIND, cost_s=seconds_per_token * len(tokens), parent=parent,
                        meta={"tail": str(len(tokens)), "tokens": str(self.block_tokens)})
+
+    def _stack(self, kv: list[tuple[Any, Any]], side: int, lo: int, hi: int) -> Any:
+        """Keys (side 0) or values (1) of tokens ``lo:hi`` for every KV layer: (layers, heads, tokens, width)."""
+        import torch
+
+        if not kv:  # running states only (Mamba2): a block holds no KV, it marks its place in the chain
+            return torch.empty((0, 0, hi - lo, 0), dtype=self._get_layout()[4])
+        return torch.stack([layer[side][0, :, lo:hi, :] for layer in kv])
 
     def _to_stored(self, t: Any) -> Any:
         import torch
@@ -676,7 +686,11 @@ class PrefixCache:
         # The cache now holds every token but the last generated one; price blocks of
         # generated tokens at the measured prefill rate (what recomputing them would cost).
         tps = self._prefill_tps or 1000.0
-        self._store_blocks(seq, cache, len(seq) - 1, stop // self.block_tokens, 1.0 / tps)
+        # Unless every layer is a running state (Mamba2): then no KV tells how many tokens
+        # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
+        # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
+        if self._get_layout()[0]:
+            self._store_blocks(seq, cache, len(seq) - 1, stop // self.block_tokens, 1.0 / tps)
         self._end()
         return out
 

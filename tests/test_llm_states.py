@@ -128,12 +128,33 @@ def test_a_stored_state_that_does_not_fit_is_a_miss_never_a_crash(models, store)
     assert pc.stats["last"]["served"] == 0
 
 
-def test_a_pure_ssm_model_is_refused_before_anything_is_stored(store):
+def test_mamba_whose_mixer_does_not_continue_a_state_over_several_tokens_is_refused(store):
+    """Mamba's own mixer starts every multi-token forward from a zero state: pieces differ from one pass."""
     model, why = build("mamba")
     assert model is not None, why
-    with pytest.raises(UnsupportedModelError, match="running state"):
+    with pytest.raises(UnsupportedModelError, match="in pieces"):
         PrefixCache(model, None, store=store)
     assert not store.ls("llm.kv") and not store.ls("llm.state")
+
+
+def test_a_model_of_running_states_only_is_served_from_its_states(store):
+    """Mamba2: every layer a state, none KV. Blocks hold no KV, only their place in the chain."""
+    model, why = build("mamba2")
+    assert model is not None, why
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(5)
+    doc = rng.integers(1, vocab, 40).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    assert pc._get_layout()[0] == 0
+    pc.prefill(doc)
+    ids = doc + rng.integers(1, vocab, 6).tolist()
+    assert_transparent(lambda: pc.prefill(ids)[1], lambda: plain(model, ids), atol=ATOL, what="mamba2, a question")
+    out = pc.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert_same(out[0].tolist(), greedy(model, ids, 8), 0, "mamba2: greedy tokens")
+    assert pc.stats["last"]["served"] == len(ids) - 1
+    turn = out[0].tolist() + [4, 5]
+    assert_same(pc.prefill(turn)[1], plain(model, turn), ATOL, "mamba2: the next turn")
+    assert pc.stats["last"]["served"] == len(ids)  # not what generate left (not stored): where the prefill of ids ended
 
 
 def test_chunkcache_refuses_running_states(models, store):
@@ -164,3 +185,94 @@ def test_patched_state_layer_code_is_another_key(models, store, monkeypatch):
     with pytest.raises(UnsupportedModelError, match="in pieces"):
         pc.prefill(ids)
     assert {e.key for e in store.ls("llm.state")} == kept  # refused before anything was stored
+
+
+def test_a_bfloat16_hybrid_stores_and_restores_its_states(models, store):
+    """bfloat16 state tensors go to the store as raw bits named BF16, and come back as bfloat16."""
+    model = build("qwen3_next")[0].to(torch.bfloat16)
+    doc = np.random.default_rng(5).integers(1, vocab_of(model), 20).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(doc)
+    dtypes = {d for info in store.ls("llm.state") for d in store.get(info.key, kind="llm.state").dtypes.values()}
+    assert "BF16" in dtypes  # the convolution windows are bfloat16
+    ids = doc + [5, 6, 7]
+    assert_same(pc.prefill(ids)[1].float(), plain(model, ids).float(), 0, "bfloat16 states restored")
+    assert pc.stats["last"]["served"] == len(doc)
+
+
+def test_prompts_shorter_than_a_block_store_and_resume_their_states(models, store):
+    """A state after fewer tokens than a block lives under the chain's root, and is found there."""
+    model = models["qwen3_next"]
+    rng = np.random.default_rng(6)
+    short = rng.integers(1, vocab_of(model), 5).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    assert_same(pc.prefill(short)[1], plain(model, short), ATOL, "a prompt shorter than a block")
+    ids = short + [9, 10]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "after it")
+    assert pc.stats["last"]["served"] == len(short)
+    pc.prefill([11, 12])  # states after 1 token (before the last) and after 2
+    ids = [11, 13, 14]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "sharing one token")
+    assert pc.stats["last"]["served"] == 1
+
+
+def test_each_prompt_keeps_its_own_state_when_only_an_earlier_block_differs(models, store):
+    """Two prompts alike but for their second block: a state is keyed by its last full block, so by the whole prefix."""
+    model = models["qwen3_next"]
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(7)
+    first, end = rng.integers(1, vocab, 8).tolist(), rng.integers(1, vocab, 4).tolist()
+    a = first + rng.integers(1, vocab, 8).tolist() + end
+    b = first + rng.integers(1, vocab, 8).tolist() + end
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(a)
+    pc.prefill(b)
+    ids = b + [5, 6]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "b's own state after a's")
+    assert pc.stats["last"]["served"] == len(b)
+    # Each state is a child of the last full block before it: it goes when that block goes.
+    parents = {info.key: info.parent for info in store.ls("llm.state")}
+    for seq in (a, b, ids):
+        seq = np.array(seq)
+        for n in range(9, len(seq) + 1):
+            key = pc._state_key(seq, n)
+            if key in parents:
+                assert parents[key] == pc._block_keys(seq, n // 8)[-1], n
+
+
+def test_a_prompt_leaving_a_generated_answer_part_way_resumes_before_the_prompt_end(models, store):
+    """generate stores the state before the prompt's last token and at the end; one diverging two
+    tokens into the answer resumes from the first (found by walking back token by token)."""
+    model = models["qwen3_next"]
+    prompt = np.random.default_rng(8).integers(1, vocab_of(model), 26).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    out = pc.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+    seq = np.array(out)
+    assert {n for n in range(1, len(seq)) if pc._state_key(seq, n) in store} == {25, 37}
+    ids = out[:28] + [(out[28] + 1) % vocab_of(model), 3]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "diverging inside the answer")
+    assert pc.stats["last"]["served"] == 25  # KV for 28 tokens; the state before the prompt's last token
+
+
+def test_stored_costs_are_the_measured_compute_time(models, store, monkeypatch):
+    """Each entry's cost_s (what store.stats() counts as seconds saved on a hit) is the time its
+    tokens took: every forward takes one second here."""
+    import types
+
+    import promptstore.llm._prefix as prefix
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(prefix, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
+    model = models["qwen3_next"]
+    a = np.random.default_rng(9).integers(1, vocab_of(model), 50)
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(a.tolist())  # forwards over 0-16, 16-32, 32-48, 48-49 and 49-50: one second each
+    cost = {info.key: info.cost_s for info in store.ls()}
+    keys = pc._block_keys(a, 6)
+    assert [cost[k] for k in keys] == [0.5] * 6  # 8 of a piece's 16 tokens
+    assert [cost[pc._state_key(a, n)] for n in (16, 32, 48, 50)] == [1.0, 2.0, 3.0, 5.0]  # the whole prefix
+    tail = pc._tail_key(keys[-1], int(a[48]))
+    assert cost[tail] == pytest.approx(0.2)  # 2 tokens at the request's 5 s / 50 tokens
+    pc.prefill(a.tolist())  # the same prompt: its tail is already stored, and kept as it was
+    assert {info.key: info.cost_s for info in store.ls()}[tail] == pytest.approx(0.2)

@@ -33,7 +33,7 @@ from llm_zoo import all_types, build, check_architecture, prompts, vocab_of
 # pure Mamba keeps no KV at all (refused).
 FAST = {
     "llama": "served", "gpt2": "served", "gemma": "served", "qwen2": "served", "phi3": "served", "bloom": "served",
-    "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "refused", "rwkv": "refused",
+    "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "refused", "mamba2": "served", "rwkv": "refused",
     "mistral": "served", "gemma2": "served", "gpt_oss": "served", "llama4_text": "served", "moshi": "refused",
     "qwen3_next": "served", "jamba": "served", "nemotron_h": "served", "falcon_h1": "served", "deepseek_v3": "served",
 }
