@@ -272,7 +272,7 @@ def run(group: Group, recheck: bool = False, survivors: bool = False, resume: bo
     names = mutant_names(group, root, env, recheck)
     kept = _snapshot(group)  # after generation: kept only where the function is still the code tested
     if survivors:
-        names = [n for n in names if kept.get(n) not in ("killed", "timeout")]
+        names = [n for n in names if kept.get(n, "not checked") not in ("killed", "timeout", "not checked")]
     if resume:
         names = [n for n in names if kept.get(n, "not checked") == "not checked"]
     if not names:
