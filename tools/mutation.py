@@ -381,8 +381,8 @@ def _snapshot(group: Group) -> dict[str, str]:
     except (OSError, json.JSONDecodeError):
         return {}
     hashes = _function_hashes(group)
-    return {name: status for name, (status, code) in data.get("results", {}).items()
-            if hashes.get(name.split("__mutmut_")[0]) == code}
+    return {name: kept[0] for name, kept in data.get("results", {}).items()
+            if isinstance(kept, list) and len(kept) == 2 and hashes.get(name.split("__mutmut_")[0]) == kept[1]}
 
 
 def save_results(group: Group) -> None:
