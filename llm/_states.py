@@ -77,7 +77,7 @@ def restore_states(cache: Any, entry: Any, device: Any) -> None:
         layer = cache.layers[int(idx)]
         t = torch.from_numpy(np.array(arr))  # a writable copy: the stored array may be a read-only view
         if entry.dtypes[name] == "BF16":
-            t = None
+            t = t.view(torch.bfloat16)
         t = t.to(device)
         i = int(part.removeprefix("conv").removeprefix("rec"))
         if part.startswith("conv"):

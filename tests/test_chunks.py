@@ -425,3 +425,32 @@ def test_a_budget_that_rounds_to_no_token_or_one_recomputes_that_many(store, rec
     segs = [anchor, passages[0], passages[3], passages[1], passages[2], question]
     _, logits = cc.prefill(segs)
     assert cc.stats["last"]["recomputed"] == want and counter.tokens == len(question) + want
+
+
+def test_blend_breaks_ties_in_deviation_by_position(tiny, store, monkeypatch):
+    """Tokens that moved equally are taken earliest first, whatever sort numpy picks by default on this CPU."""
+    cc = ChunkCache(tiny, store=store, recompute=0.5, select="blend")
+    moved = [np.arange(11, 61), np.arange(61, 111)]
+    deviation = np.tile(np.array([0.0, 1.0, 1.0, 0.0], np.float32), 25)  # ties everywhere
+    monkeypatch.setattr(ChunkCache, "_deviation", lambda self, ids, buffers, candidates: deviation)
+    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved)
+    candidates = np.concatenate(moved)
+    assert chosen.tolist() == np.sort(candidates[deviation == 1.0]).tolist()[:50]
+    deviation = np.tile(np.array([0.0, 2.0, 1.0, 1.0, 0.0], np.float32), 20)
+    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved)
+    ones = candidates[deviation == 1.0]
+    assert chosen.tolist() == np.sort(np.concatenate([candidates[deviation == 2.0], ones[:30]])).tolist()
+
+
+def test_a_stored_passage_costs_the_time_its_forward_took(tiny, store, monkeypatch):
+    """cost_s, what store.stats() counts as seconds saved when the passage is served: every forward takes 1 s here."""
+    import types
+
+    import promptstore.llm._chunks as chunks
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(chunks, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    anchor, passages, question = segments(500, 30)
+    cc = ChunkCache(tiny, store=store, recompute=0.0)
+    cc.prefill([anchor, passages[0], passages[1], question])
+    assert sorted(info.cost_s for info in store.ls(CHUNK_KIND)) == [1.0, 1.0]

@@ -630,3 +630,60 @@ def test_a_model_converted_live_gets_buffers_of_its_new_dtype(store, dtype):
     assert all(layer.keys.dtype == dtype for layer in cache.layers)
     tol = 5e-2 if dtype == torch.bfloat16 else ATOL
     assert (logits.float() - full_logits(model, ids + [9]).float()).abs().max().item() <= tol
+
+
+def test_a_shorter_request_keeps_the_longer_stored_tail(tiny, store):
+    """A request ending inside a stored tail stores nothing over it: the next one still gets every tail token."""
+    rng = np.random.default_rng(27)
+    doc = rng.integers(0, 500, 45).tolist()  # 2 blocks of 16 and a 13-token tail
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(doc)
+    pc.prefill(doc[:40])  # its 8-token tail is the stored one's start
+    tail = store.get(pc._tail_key(pc._block_keys(np.array(doc), 2)[-1], doc[32]), kind="llm.kv")
+    assert tail.tensors["tokens"].tolist() == doc[32:]
+    assert tail.tensors["tokens"].dtype == np.int32  # token ids as the block pointers hold them: 4 bytes each
+    ids = doc + rng.integers(0, 500, 2).tolist()
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["served"] == len(doc)
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("side", ["keys", "values"])
+def test_buffers_are_not_reused_while_the_caller_holds_one_side_of_a_cache(tiny, store, side):
+    """Keeping only an earlier cache's keys (or only its values) keeps its buffers out of the pool too."""
+    rng = np.random.default_rng(28)
+    doc = rng.integers(0, 500, 70).tolist()
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(doc)
+    cache, _ = pc.prefill(doc + [5, 6, 7])
+    held = [getattr(layer, side) for layer in cache.layers]
+    snapshot = [t.clone() for t in held]
+    del cache
+    for tail in ([8, 9], [10, 11, 12], [13]):
+        cache, logits = pc.prefill(doc + tail)
+        assert (logits - full_logits(tiny, doc + tail)).abs().max().item() <= ATOL
+        del cache
+    assert all(torch.equal(t, s) for t, s in zip(held, snapshot, strict=True))
+
+
+def test_a_model_cut_live_gets_buffers_of_its_new_shape(store):
+    """The pool's free buffers are for the layout they were made for: after a layer is dropped, fresh ones."""
+    model = tiny_model(seed=9)
+    pc = PrefixCache(model, store=store, block_tokens=16)
+    ids = np.random.default_rng(29).integers(0, 500, 60).tolist()
+    for _ in range(2):
+        pc.prefill(ids)  # 3-layer buffers in the pool, free again
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    pc.prefill(ids)
+    cache, logits = pc.prefill(ids + [9])
+    assert pc.stats["last"]["served"] == 60 and len(cache.layers) == 2
+    assert (logits - full_logits(model, ids + [9])).abs().max().item() <= ATOL
+
+
+def test_attention_only_models_store_no_running_states(tiny, store):
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(30).integers(0, 500, 40).tolist()
+    pc.prefill(ids)
+    pc.generate(ids + [3], max_new_tokens=4, do_sample=False)
+    assert store.ls("llm.kv") and not store.ls("llm.state")

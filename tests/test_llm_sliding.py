@@ -207,3 +207,14 @@ def test_chunkcache_refuses_a_sliding_window_model_before_anything_is_stored(sto
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         ChunkCache(mistral(), None, store=store)
     assert not store.ls("llm.kv")
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_a_one_token_prompt_equals_a_recompute(name, store):
+    """Nothing to look up: a fresh cache's first request runs into buffers allocated for the miss alone."""
+    model = MODELS[name]()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    assert_same(pc.prefill([7])[1], plain(model, [7]), ATOL, f"{name}: prefill of one token")
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    out = pc.generate([9], max_new_tokens=14, min_new_tokens=14, do_sample=False, pad_token_id=0)
+    assert_same(out[0].tolist(), greedy(model, [9], 14), 0, f"{name}: generation from one token")

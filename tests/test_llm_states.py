@@ -217,11 +217,11 @@ def test_prompts_shorter_than_a_block_store_and_resume_their_states(models, stor
 
 
 def test_each_prompt_keeps_its_own_state_when_only_an_earlier_block_differs(models, store):
-    """Two prompts alike but for their second block: a state is keyed by its last full block, so by the whole prefix."""
+    """Two prompts alike but for their third block: a state is keyed by its last full block, so by the whole prefix."""
     model = models["qwen3_next"]
     vocab = vocab_of(model)
     rng = np.random.default_rng(7)
-    first, end = rng.integers(1, vocab, 8).tolist(), rng.integers(1, vocab, 4).tolist()
+    first, end = rng.integers(1, vocab, 16).tolist(), rng.integers(1, vocab, 4).tolist()
     a = first + rng.integers(1, vocab, 8).tolist() + end
     b = first + rng.integers(1, vocab, 8).tolist() + end
     pc = PrefixCache(model, None, store=store, block_tokens=8)
@@ -271,8 +271,29 @@ def test_stored_costs_are_the_measured_compute_time(models, store, monkeypatch):
     cost = {info.key: info.cost_s for info in store.ls()}
     keys = pc._block_keys(a, 6)
     assert [cost[k] for k in keys] == [0.5] * 6  # 8 of a piece's 16 tokens
+    pointers = [pc._tail_key(keys[b - 1] if b else None, int(a[8 * b])) for b in range(6)]  # to each full block
+    assert [cost[k] for k in pointers] == [0.5] * 6
     assert [cost[pc._state_key(a, n)] for n in (16, 32, 48, 50)] == [1.0, 2.0, 3.0, 5.0]  # the whole prefix
     tail = pc._tail_key(keys[-1], int(a[48]))
     assert cost[tail] == pytest.approx(0.2)  # 2 tokens at the request's 5 s / 50 tokens
     pc.prefill(a.tolist())  # the same prompt: its tail is already stored, and kept as it was
     assert {info.key: info.cost_s for info in store.ls()}[tail] == pytest.approx(0.2)
+
+
+def test_a_prompt_resuming_before_stored_blocks_stores_the_blocks_after_them(models, store, monkeypatch):
+    """KV stored past the last state: the request runs from the state, skips the blocks already stored and stores the rest."""
+    import promptstore.llm._prefix as prefix
+
+    monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
+    model = models["qwen3_next"]
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(10)
+    a = rng.integers(1, vocab, 50).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(a)
+    b = a[:44] + rng.integers(1, vocab, 20).tolist()
+    pc.prefill(b)
+    assert pc.stats["last"]["served"] == 32  # KV to 44 tokens, the last state before them at 32
+    ids = b + [5]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "after b")
+    assert pc.stats["last"]["served"] == len(b)
