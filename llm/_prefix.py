@@ -316,15 +316,17 @@ class PrefixCache:
     def _state_point(self, ids: np.ndarray, n_kv: int) -> tuple[int, Any]:
         """The longest prefix of at most ``n_kv`` tokens whose every layer's state is stored: (tokens, entry).
 
-        Tried, longest first: every length from ``n_kv`` back to the block boundary before it
-        (where earlier requests ended: a document prefilled alone, then questions after it), then
+        Tried, longest first: every length from ``n_kv`` back to the block boundary before it and
+        one token more (where earlier requests ended: a document prefilled alone, then questions
+        after it; a block-aligned prompt's generate), then
         the states a miss stored every ``_state_every()`` tokens. (0, None) if none is stored.
         """
         every = self._state_every()
         keys = self._block_keys(ids, n_kv // self.block_tokens)
         signature = self._states()
         boundary = n_kv // self.block_tokens * self.block_tokens
-        for n in dict.fromkeys([*range(n_kv, boundary - 1, -1), *range(boundary // every * every, 0, -every)]):
+        # boundary - 1 too: where a block-aligned prompt's generate stored the state before its last token.
+        for n in dict.fromkeys([*range(n_kv, boundary - 2, -1), *range(boundary // every * every, 0, -every)]):
             if n <= 0:
                 continue
             entry = self.store.get(self._state_key(ids, n, keys), kind=STATE_KIND)
@@ -585,12 +587,14 @@ class PrefixCache:
         every = self._state_every()
         seconds, logits = 0.0, None
         ends = [*range((start // every + 1) * every, stop, every), *([stop - 1] if last_apart else []), stop]
+        first = start
         for end in sorted(e for e in set(ends) if e > start):
             cache, logits, took = self._forward(ids, start, end, cache)
             seconds += took
             if end < stop:
                 # The blocks up to here first: a persistent tier takes an entry only after its parent.
-                self._store_blocks(ids, cache, end, start // self.block_tokens, took / max(end - start, 1))
+                # Priced at this run's mean rate so far: a one-token piece costs more per token.
+                self._store_blocks(ids, cache, end, start // self.block_tokens, seconds / max(end - first, 1))
             start = end
         return cache, logits, seconds
 

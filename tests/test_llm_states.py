@@ -297,3 +297,31 @@ def test_a_prompt_resuming_before_stored_blocks_stores_the_blocks_after_them(mod
     ids = b + [5]
     assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "after b")
     assert pc.stats["last"]["served"] == len(b)
+
+
+def test_after_generate_on_a_block_aligned_prompt_another_reply_resumes_before_its_last_token(models, store):
+    """generate stores the state before the prompt's last token; with a prompt of whole blocks it lies
+    just before a block boundary, and a later prompt that leaves the answer at once still finds it."""
+    model = models["qwen3_next"]
+    prompt = np.random.default_rng(6).integers(1, vocab_of(model), 16).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    out = pc.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    other = [t for t in range(1, 10) if t != out[0, len(prompt)].item()][0]
+    ids = prompt + [other, 5]
+    assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "another reply")
+    assert pc.stats["last"]["served"] == len(prompt) - 1
+
+
+def test_a_state_stored_after_a_one_token_piece_costs_the_runs_mean_rate(models, store, monkeypatch):
+    """The state before a prompt's last token comes after a one-token forward: priced at the run's mean rate."""
+    import promptstore.llm._prefix as prefix
+
+    model = models["qwen3_next"]
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
+    clock = iter(range(0, 10_000))
+    monkeypatch.setattr(prefix.time, "perf_counter", lambda: float(next(clock)))  # every forward takes 1 s
+    ids = np.random.default_rng(7).integers(1, vocab_of(model), 50).tolist()
+    pc.prefill(ids)  # forwards over 16, 16, 16, 1 and 1 tokens: five seconds in all
+    costs = sorted(e.cost_s for e in store.ls("llm.state"))
+    assert len(costs) == 5 and costs[-1] <= 5.0 + 1e-9  # no state saves more than the whole prompt cost
