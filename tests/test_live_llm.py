@@ -818,3 +818,53 @@ def test_a_tokenizer_holding_a_native_part_without_its_own_state_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="serialisable state"):
         tokenizer_identity(Splitting(Regex(r"\s+")))
+
+
+def test_a_torchscript_submodule_is_keyed_by_its_code_training_flag_and_tensors():
+    """A scripted module keeps its state in C++: its compiled code, its flag and its own tensors name it."""
+    from promptstore._live import module_identity
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model = Wrapper(torch.jit.script(torch.nn.Linear(4, 4))).eval()
+    seen = {module_identity(model)}
+    with torch.no_grad():
+        model.inner.weight[0, 0] += 1.0  # in place, inside the scripted module
+    seen.add(module_identity(model))
+    model.inner.train()
+    seen.add(module_identity(model))
+    model.inner.eval()
+    model.inner = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    seen.add(module_identity(model))
+    assert len(seen) == 4
+
+
+def test_refuse_random_names_a_training_dropout_and_passes_in_eval():
+    from promptstore._live import refuse_random
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="1"):  # the dropout's place in the tree
+        refuse_random(model)
+    model.eval()
+    refuse_random(model)
+
+
+def test_describe_lines_show_what_changed_between_two_calls():
+    from promptstore._live import describe_lines, module_identity
+
+    model = tiny()
+    before = describe_lines(model)
+    assert before and all(isinstance(line, str) for line in before)
+    model.model.norm.variance_epsilon = 0.5
+    after = describe_lines(model)
+    changed = [line for line in after if line not in before]
+    assert changed and any("0.5" in line for line in changed)
+    assert module_identity(model) != module_identity(tiny())
