@@ -182,12 +182,14 @@ ATOL = 1e-4
 GREEDY = 16
 
 
-def _logits(model: Any, ids: list[int]) -> Any:
+def plain_scores(model: Any, ids: list[int]) -> Any:
+    """The model's own next-token scores after ``ids`` (no cache): what a cached call must equal."""
     with torch.no_grad():
         return model(torch.as_tensor([ids])).logits[0, -1]
 
 
-def _greedy(model: Any, ids: list[int], n: int) -> list[int]:
+def greedy_tokens(model: Any, ids: list[int], n: int) -> list[int]:
+    """``ids`` and ``n`` greedy tokens from the model's own ``generate`` (no store)."""
     with torch.no_grad(), _quiet():
         out = model.generate(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -225,20 +227,20 @@ def check_architecture(model: Any, store: Any) -> str:
     vocab = vocab_of(model)
     for ids in prompts(vocab):
         with _quiet():
-            assert_transparent(lambda ids=ids: pc.prefill(ids)[1], lambda ids=ids: _logits(model, ids), atol=ATOL,
+            assert_transparent(lambda ids=ids: pc.prefill(ids)[1], lambda ids=ids: plain_scores(model, ids), atol=ATOL,
                                what=f"scores after {len(ids)} tokens")
     assert pc.stats["total"]["served"] > 0, "nothing was ever served from the store"
     long = prompts(vocab)[1]
     with _quiet():
         out = pc.generate(long, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False, pad_token_id=0)
-    assert_same(out[0].tolist(), _greedy(model, long, GREEDY), 0, "greedy tokens")
+    assert_same(out[0].tolist(), greedy_tokens(model, long, GREEDY), 0, "greedy tokens")
     cont = out[0].tolist() + [1, 2, 3]  # the next turn continues generated text
     with _quiet():
         _, logits = pc.prefill(cont)
     # Generated blocks are reused, unless the model's generate left a cache that does not match
     # its tokens (then nothing is stored from it, with a warning).
     assert pc.stats["last"]["served"] >= len(long) // BLOCK * BLOCK
-    assert_same(logits, _logits(model, cont), ATOL, "scores after a continuation of generated text")
+    assert_same(logits, plain_scores(model, cont), ATOL, "scores after a continuation of generated text")
     return "served"
 
 

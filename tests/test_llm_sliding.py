@@ -15,6 +15,8 @@ from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
+from llm_zoo import greedy_tokens as greedy
+from llm_zoo import plain_scores as plain
 from transparency import assert_same, assert_transparent
 
 WINDOW = 12
@@ -58,18 +60,6 @@ def qwen2_hybrid(seed=0):
 
 
 MODELS = {"mistral": mistral, "gemma2": gemma2, "qwen2_hybrid": qwen2_hybrid}
-
-
-def plain(model, ids):
-    with torch.no_grad():
-        return model(torch.as_tensor([ids])).logits[0, -1]
-
-
-def greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0].tolist()
 
 
 def layer_kinds(model):

@@ -18,6 +18,8 @@ from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
 from llm_zoo import build, vocab_of
+from llm_zoo import greedy_tokens as greedy
+from llm_zoo import plain_scores as plain
 from transparency import assert_same, assert_transparent
 
 ATOL = 1e-4
@@ -38,18 +40,6 @@ def models():
         assert model is not None, why
         built[name] = model
     return built
-
-
-def plain(model, ids):
-    with torch.no_grad():
-        return model(torch.as_tensor([ids])).logits[0, -1]
-
-
-def greedy(model, ids, n):
-    with torch.no_grad():
-        out = model.generate(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0].tolist()
 
 
 def test_the_hybrids_here_keep_running_states_beside_kv(models):
