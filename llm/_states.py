@@ -67,7 +67,18 @@ def states_fit(entry: Any, signature: dict[str, tuple[tuple[int, ...], str]]) ->
 
 
 def restore_states(cache: Any, entry: Any, device: Any) -> None:
-    """Put a stored state into the cache's state layers, as if the model had just run the prefix."""
+    """Put a stored state into the cache's state layers, as if the model had just run the prefix.
+
+    Always normal tensors, even under ``torch.inference_mode()``: the model updates them in place,
+    and a caller may continue the cache outside it (as for the KV buffers, see KVBuffers.allocate).
+    """
+    import torch
+
+    with torch.inference_mode(False):
+        _restore(cache, entry, device)
+
+
+def _restore(cache: Any, entry: Any, device: Any) -> None:
     import torch
 
     for name, arr in entry.tensors.items():

@@ -315,3 +315,17 @@ def test_a_state_stored_after_a_one_token_piece_costs_the_runs_mean_rate(models,
     pc.prefill(ids)  # forwards over 16, 16, 16, 1 and 1 tokens: five seconds in all
     costs = sorted(e.cost_s for e in store.ls("llm.state"))
     assert len(costs) == 5 and costs[-1] <= 5.0 + 1e-9  # no state saves more than the whole prompt cost
+
+
+def test_a_cache_restored_under_inference_mode_continues_outside_it(models, store):
+    """Restored states are normal tensors: the caller may continue the cache outside inference_mode."""
+    model = models["qwen3_next"]
+    ids = np.random.default_rng(8).integers(1, vocab_of(model), 30).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(ids)
+    with torch.inference_mode():
+        cache, _ = pc.prefill(ids + [3, 4])
+    assert pc.stats["last"]["served"] == len(ids)
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6]]), cache=cache, use_cache=True).logits[0, -1]
+    assert_same(out, plain(model, ids + [3, 4, 5, 6]), ATOL, "continued outside inference_mode")
