@@ -60,6 +60,18 @@ def _dtype_name(dtype: Any) -> str | None:
     return name
 
 
+class _FirstScores:
+    """A logits processor that changes nothing and notes when model.generate's first scores came."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        if self.at is None:
+            self.at = time.perf_counter()
+        return scores
+
+
 class PrefixCache:
     """Serve the longest stored prefix of a prompt as a transformers ``DynamicCache``.
 
@@ -671,9 +683,13 @@ class PrefixCache:
         self._begin(len(ids))
         cache, n_cached = self._lookup(ids)
         stop = len(ids) - 1
-        if stop > n_cached:
+        first_block, ran_from = n_cached // self.block_tokens, n_cached
+        if stop > n_cached and self._states():
+            # Running states exist only where a forward ends: a miss runs in pieces that end
+            # where states are stored (see _run), so the prompt is run here, up to its last token.
             cache, _, seconds = self._run(ids, n_cached, stop, cache)
-            self._store_blocks(ids, cache, stop, n_cached // self.block_tokens, seconds / (stop - n_cached))
+            self._store_blocks(ids, cache, stop, first_block, seconds / (stop - n_cached))
+            first_block, ran_from = stop // self.block_tokens, stop
         if cache is None:
             cache = self._miss_cache(len(ids))
         if cache is None:
@@ -683,18 +699,29 @@ class PrefixCache:
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         full = torch.as_tensor(ids, device=self.model.device)[None]
         generate_kwargs[self._cache_arg] = cache
+        # Otherwise model.generate runs every uncached token in its own first forward (it slices
+        # the prompt past what the cache holds), so a hit costs one pass over the weights, not two.
+        # The first scores it makes mark the end of that forward: its rate prices the blocks.
+        from transformers import LogitsProcessorList
+
+        first = _FirstScores()
+        generate_kwargs["logits_processor"] = LogitsProcessorList([*(generate_kwargs.get("logits_processor") or []),
+                                                                   first])
+        t0 = time.perf_counter()
         out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
+        if first.at is not None:
+            self._prefill_tps = (len(ids) - ran_from) / max(first.at - t0, 1e-9)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         seq = sequences[0].detach().cpu().numpy()
         self._last.generated = len(seq) - len(ids)
-        # The cache now holds every token but the last generated one; price blocks of
-        # generated tokens at the measured prefill rate (what recomputing them would cost).
+        # The cache now holds every token but the last generated one; price blocks of the
+        # prompt and of the generated tokens at the measured prefill rate (what recomputing them would cost).
         tps = self._prefill_tps or 1000.0
         # Unless every layer is a running state (Mamba2): then no KV tells how many tokens
         # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
         # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
         if self._get_layout()[0]:
-            self._store_blocks(seq, cache, len(seq) - 1, stop // self.block_tokens, 1.0 / tps)
+            self._store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps)
         self._end()
         return out
 

@@ -139,6 +139,24 @@ def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):
     assert pc.stats["last"]["served"] == len(out) - 1  # every token that had KV: 4 blocks and the tail
 
 
+def test_a_generate_hit_runs_the_uncached_tokens_in_one_forward(tiny, store):
+    # One pass over the weights for the whole uncached part (model.generate's own first step),
+    # then one per generated token: no separate prefill of all but the last token first.
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(5).integers(0, 500, 90).tolist()
+    pc.generate(ids[:70], max_new_tokens=1, do_sample=False)  # a miss: one forward of 70 tokens
+    counter = TokenCounter(tiny)
+    out = pc.generate(ids, max_new_tokens=4, do_sample=False)
+    assert pc.stats["last"]["served"] == 70
+    assert counter.batches == [1] * 4 and counter.n == 20 + 3  # 20 uncached tokens, then 3 decode steps
+    assert out[0].tolist() == greedy(tiny, ids, n=4)
+    # and the blocks of that forward were stored: the same prompt again computes only its last token
+    expected = greedy(tiny, ids, n=1)
+    counter.n = 0
+    assert pc.generate(ids, max_new_tokens=1, do_sample=False)[0].tolist() == expected
+    assert pc.stats["last"]["served"] == 89 and counter.n == 1
+
+
 def test_kv_blocks_are_bound_to_the_weights(tiny, store):
     ids = np.random.default_rng(4).integers(0, 500, 80).tolist()
     PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
