@@ -227,11 +227,9 @@ class ChunkCache:
         if host:
             into = {side: host_view(full)[:, 0, :, lo : lo + n, :] for side, full in zip(("k", "v"), buffers, strict=True)}
             entry = self.store.get(key, kind=CHUNK_KIND, into=into)
-            if entry is not None and all(tuple(entry.tensors[s].shape) == want[s] for s in ("k", "v")):
-                for side, dst in into.items():
-                    if entry.tensors[side] is not dst:  # stored in another dtype
-                        copy_block(dst, entry.tensors[side], entry.dtypes[side], k_buf.dtype)
-            else:
+            # Passages are stored in the model's own dtype and layout (the key holds both), so a
+            # fitting one is read straight into place; anything else under the key is a miss.
+            if entry is not None and not all(entry.tensors.get(s) is dst for s, dst in into.items()):
                 entry = None
         else:
             # pragma: no mutate start (a GPU's path: tests/test_chunks.py runs it on the GPU machine)

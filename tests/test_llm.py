@@ -157,6 +157,23 @@ def test_a_generate_hit_runs_the_uncached_tokens_in_one_forward(tiny, store):
     assert pc.stats["last"]["served"] == 89 and counter.n == 1
 
 
+def test_a_request_of_the_same_size_reuses_the_buffers_an_earlier_one_let_go(tiny, store):
+    # Their pages are already faulted in: a load then costs the copy, not fresh memory.
+    from promptstore.llm._buffers import kv_layers
+
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = np.random.default_rng(6).integers(0, 500, 100).tolist()
+    pc.prefill(ids)
+    cache, n = pc.lookup(ids)
+    first = kv_layers(cache)[0][0].untyped_storage().data_ptr()
+    assert n == 99
+    held, _ = pc.lookup(ids)  # the first cache is still held: this one gets other buffers
+    assert kv_layers(held)[0][0].untyped_storage().data_ptr() != first
+    del cache
+    again, _ = pc.lookup(ids)
+    assert kv_layers(again)[0][0].untyped_storage().data_ptr() == first
+
+
 def test_kv_blocks_are_bound_to_the_weights(tiny, store):
     ids = np.random.default_rng(4).integers(0, 500, 80).tolist()
     PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)

@@ -329,3 +329,22 @@ def test_a_cache_restored_under_inference_mode_continues_outside_it(models, stor
     with torch.no_grad():
         out = model(torch.tensor([[5, 6]]), cache=cache, use_cache=True).logits[0, -1]
     assert_same(out, plain(model, ids + [3, 4, 5, 6]), ATOL, "continued outside inference_mode")
+
+
+def test_state_lookups_are_counted_under_their_kind(models, store):
+    """The store's per-kind counters show the state lookups: the hit that resumed, and the points that missed."""
+    model = models["qwen3_next"]
+    rng = np.random.default_rng(7)
+    doc = rng.integers(0, vocab_of(model), 40).tolist()
+    pc = PrefixCache(model, store=store, block_tokens=16)
+    pc.prefill(doc)  # states after 39 and 40 tokens
+
+    def counts() -> tuple[int, int]:
+        kind = store.stats()["kinds"].get("llm.state", {})
+        return kind.get("hits", 0), kind.get("misses", 0)
+
+    hits, misses = counts()
+    pc.prefill(doc + rng.integers(0, vocab_of(model), 5).tolist())  # resumes at the document's end
+    assert pc.stats["last"]["served"] == 40 and counts() == (hits + 1, misses)
+    pc.prefill(doc[:37] + rng.integers(0, vocab_of(model), 5).tolist())  # KV for 37 tokens, no state there or before
+    assert pc.stats["last"]["served"] == 0 and counts()[0] == hits + 1 and counts()[1] >= misses + 6  # 37 down to 31

@@ -278,8 +278,8 @@ def run(group: Group, recheck: bool = False, survivors: bool = False, resume: bo
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     names = mutant_names(group, root, env, recheck)
     kept = _snapshot(group)  # after generation: kept only where the function is still the code tested
-    if survivors:
-        names = [n for n in names if kept.get(n, "not checked") not in ("killed", "timeout", "not checked")]
+    if survivors:  # and those no run of their function's code has tested yet
+        names = [n for n in names if kept.get(n, "not checked") not in ("killed", "timeout")]
     if resume:
         names = [n for n in names if kept.get(n, "not checked") == "not checked"]
     if not names:
@@ -326,12 +326,22 @@ def lock_equivalents(groups: list[Group]) -> int:
     mutant is run and judged again. Returns how many functions were locked.
     """
     equivalent, locked = _equivalent(), _locked()
+    killed = []
     for group in groups:
         hashes = _function_hashes(group)
+        kept = {**_snapshot(group), **_meta_results(dataclasses.replace(group, sample=1))}
         for name in equivalent:
             fn = name.split("__mutmut_")[0]
             if fn in hashes and any(fnmatch.fnmatchcase(name, p) for p in group.patterns):
+                if kept.get(name) in ("killed", "timeout"):
+                    # Judged on older code, under a number that now names another mutant, which a test catches.
+                    killed.append(name)
+                    continue
                 locked[fn] = hashes[fn]
+    if killed:
+        keep = [line for line in EQUIVALENT.read_text().splitlines() if line.partition(" ")[0] not in killed]
+        EQUIVALENT.write_text("\n".join(keep) + "\n")
+        print(f"{len(killed)} listings dropped from {EQUIVALENT.name}: a test catches the mutant of that number now")
     LOCK.write_text(json.dumps(dict(sorted(locked.items())), indent=0, ensure_ascii=False) + "\n")
     return len(locked)
 
