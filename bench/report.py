@@ -183,6 +183,49 @@ def scaling_plots(sc: dict) -> tuple[str, str]:
     return "bench/plots/store_scaling.png", "bench/plots/vision_scaling.png"
 
 
+def families_section(fam: dict) -> list[str]:
+    """PrefixCache across attention families (bench/llm_families.py)."""
+    lines = ["## Attention families (PrefixCache at SmolLM2-135M's size, random weights)", "",
+             "One model per family at SmolLM2-135M's dimensions (30 layers, hidden 576, vocabulary 49,152), random "
+             "weights, fp32, saved and loaded from files. A document, then another question after it (stored by earlier "
+             "processes), then a new question: **first request** is a fresh process's `generate(max_new_tokens=1)` "
+             "after the model load (fingerprints, lookup, KV and state load, forward); **floor** is one forward over the "
+             "uncached tokens on the document's KV already in memory, same run; **miss + store** is the document "
+             "through a new PrefixCache on an empty store against its plain prefill (a state model runs in pieces). "
+             "The first token equals the full prefill's in every row. `python bench/llm_families.py`.", "",
+             "| family | tokens | full prefill | miss + store vs plain | **first request, fresh process** | floor "
+             "| first request / floor | speed-up | max score diff |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for family, rows in fam["families"].items():
+        for row in rows.values():
+            first = row["first request (fresh process, generate)"]
+            lines.append(f"| {family} | {row['tokens']:,} | {row['full prefill']:.2f} s | "
+                         f"{row['miss + store / document prefill']:.2f}x | **{first * 1000:.0f} ms** | "
+                         f"{row['floor'] * 1000:.0f} ms | {row['first request / floor']:.2f}x | "
+                         f"{row['speed-up, first request']:.1f}x | {row['max |score diff| (in process)']:.1e} |")
+    return [*lines, ""]
+
+
+def state_every_section(se: dict) -> list[str]:
+    """How often a miss stores a running state (bench/state_every.py)."""
+    everies = [str(e) for e in se["every"]]
+    lines = ["## How often a miss stores a running state (STATE_EVERY_TOKENS)", "",
+             "Two workloads of another form (RAG: documents of 1,000-2,000 tokens asked 4 questions each; one 3,000-token "
+             "system prompt shared by 16 requests of 200-600 tokens of their own) on two state models (Gated DeltaNet "
+             "hybrid, Falcon-H1's Mamba2 heads; 8 layers at SmolLM2's width, random weights). Mean time of a request "
+             "through `PrefixCache.prefill` in one warm process, medians, and the state bytes stored; regret is the "
+             "time over the best setting's. `python bench/state_every.py`.", "",
+             "| model | workload | " + " | ".join(f"every {e}" for e in everies) + " |",
+             "|---|---|" + "---:|" * len(everies)]
+    for family, runs in se["runs"].items():
+        for name, out in runs.items():
+            cells = [f"{out[e]['mean seconds per request'] * 1000:.0f} ms (+{100 * out[e]['regret']:.0f}%), "
+                     f"{out[e]['state MB']:.0f} MB" for e in everies]
+            lines.append(f"| {family} | {name} | " + " | ".join(cells) + " |")
+    worst = ", ".join(f"{e}: +{100 * w:.0f}%" for e, w in se["worst regret"].items())
+    lines += ["", f"Worst regret per setting: {worst}. Least worst: every {se['least worst regret']} tokens.", ""]
+    return lines
+
+
 def _sections(text: str) -> dict[str, list[str]]:
     """An earlier BENCHMARKS.md by "## " section, to keep the parts this run did not measure."""
     out: dict[str, list[str]] = {}
@@ -300,6 +343,11 @@ def main() -> None:
             lines += ["llama-cpp-python was not measured in this run (`make bench LLAMA_CPP=1` installs it: it builds "
                       "llama.cpp from source, about 5 minutes).", ""]
         lines += [f"![TTFT against prompt length]({ttft_plot(llm, llama)})", ""]
+    families, every = load("llm_families.json"), load("state_every.json")
+    if families:
+        lines += families_section(families)
+    if every:
+        lines += state_every_section(every)
     chunks = [run for run in (load(n) for n in CHUNK_RUNS) if run]
     if chunks:
         lines += chunk_section(chunks)
@@ -311,6 +359,7 @@ def main() -> None:
     earlier = "*This section is kept from an earlier run: this one did not measure it.*"
     # Titles as _sections keys them (up to " ("): what this run wrote itself.
     made = {"Headline", "Passages anywhere" if chunks else "", "LLM prefix reuse" if llm else "",
+            "Attention families" if families else "", "How often a miss stores a running state" if every else "",
             "Zero-shot classifiers and OWL queries" if zs else ""}
     made |= {t for t, fresh in (("Vision class prompts", vision), ("Store", store), ("Scaling", scaling)) if fresh}
     for title, section in old.items():

@@ -27,6 +27,8 @@ def main() -> None:
     run("bench/store_bench.py", "--repeats", "3" if q else "7")
     run("bench/identity_cost.py", "--repeats", "10" if q else "40")
     run("bench/llm_ttft.py", "--lengths", *(["512", "2000"] if q else ["512", "2000", "4000", "8000"]))
+    run("bench/llm_families.py", "--lengths", *(["2000"] if q else ["2000", "8000"]), "--repeats", "1" if q else "3")
+    run("bench/state_every.py", "--repeats", "1" if q else "3")
     if args.llama_cpp:
         run("bench/llama_cpp_bench.py", "--install", "--lengths", *(["512", "2000"] if q else ["512", "2000", "4000", "8000"]))
     run("bench/vision_bench.py", *(["--only", "COCO", "--repeats", "3"] if q else []))
