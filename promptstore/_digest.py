@@ -352,6 +352,8 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
         for name, t in named:
             alive.append(t)  # a tensor freed mid-call (a generator's temporary) could pass its address on: a false tie
             dtype, shape, ident, data = _raw(t)
+            if not ident[0]:  # no address (torch's lazy device: data_ptr() is 0): only the same object again is a tie
+                ident = id(t)  # alive, so its id is not reused within the call; an int is never a tuple ident
             fields.append(_framed(name.encode("utf-8", "surrogatepass")))
             if data.size and ident in seen:
                 fields.append(_framed(f"tied:{seen[ident]}".encode()))

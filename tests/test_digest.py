@@ -380,3 +380,50 @@ def test_a_write_to_a_tensors_last_byte_alone_on_its_page_gets_a_fresh_digest(tm
     assert digest_tensors("m", [("w", w)]) == before  # remembered now
     w[20 * page] ^= 1  # only page 20 is written
     assert digest_tensors("m", [("w", w)]) == digest_tensors("m", [("w", np.array(w))]) != before
+
+
+@pytest.fixture(scope="module")
+def lazy_device():
+    """torch's lazy device (TorchScript backend): a device other than the CPU that runs on this machine's CPU.
+
+    Its tensors take the device path (sums reduced where the tensor lives, one copy back for all),
+    as a GPU's do, so that path is exercised on machines without one.
+    """
+    lazy = pytest.importorskip("torch._lazy.ts_backend")
+    try:
+        lazy.init()
+    except RuntimeError as exc:  # registered once per process: a second init refuses
+        if "multiple backend fallbacks" not in str(exc):
+            raise
+    return torch.device("lazy")
+
+
+def test_tensors_on_a_device_are_digested_there_and_an_edit_changes_the_digest(lazy_device, monkeypatch):
+    monkeypatch.setattr(digest, "_CHUNK_WORDS", 256)  # several chunks, small multiplier tables
+    monkeypatch.setattr(digest, "_MULTIPLIERS", {})
+    rng = np.random.default_rng(11)
+    a, b = (torch.from_numpy(rng.standard_normal(1000).astype(np.float32)) for _ in range(2))
+    host = torch.arange(6, dtype=torch.int64)
+
+    def on_device(x, y):
+        return [("a", x.to(lazy_device)), ("h", host), ("b", y.to(lazy_device))]
+
+    # Multipliers are made per device (a model split over two GPUs): the CPU's, made first, are not the lazy one's.
+    on_cpu = digest.device_word_digest(torch, a).tobytes()
+    assert digest.device_word_digest(torch, a.to(lazy_device)).tobytes() == on_cpu  # the same sums on either device
+    base = digest_tensors("m", on_device(a, b))
+    assert base == digest_tensors("m", on_device(a.clone(), b.clone()))  # the same bytes, fresh device copies
+    edited = b.clone()
+    edited[999] += 1.0  # the last element of the second device tensor
+    assert digest_tensors("m", on_device(a, edited)) != base
+    assert digest_tensors("m", on_device(b, a)) != base  # each tensor's sums belong to its own name
+    assert digest_tensors("m", [("a", a), ("h", host), ("b", b)]) != base  # on the host: another digest
+
+
+def test_distinct_tensors_on_a_device_without_addresses_are_never_tied(lazy_device):
+    """The lazy device reports address 0 for every tensor: two weights of one shape must not read as a tie."""
+    a, b = torch.zeros(8), torch.ones(8)
+    x, y = a.to(lazy_device), b.to(lazy_device)
+    assert x.data_ptr() == y.data_ptr() == 0
+    assert digest_tensors("m", [("a", x), ("b", y)]) != digest_tensors("m", [("a", x), ("b", x.clone())])
+    assert digest_tensors("m", [("a", x), ("b", x)]) != digest_tensors("m", [("a", x), ("b", x.clone())])  # a tie

@@ -65,7 +65,9 @@ def test_reading_into_strided_views_fills_exactly_them(tmp_path, n_rows, width):
     lambda a: np.zeros((a.shape[1], a.shape[0]), a.dtype).T,  # transposed: no two elements adjacent
     lambda a: np.zeros((a.shape[0] * 2, a.shape[1] * 3), a.dtype)[::2, ::3],  # strided both ways
     lambda a: np.zeros((4, a.shape[0], a.shape[1] + 1), a.dtype)[1, :, 1:],  # rows that do not merge
-], ids=["contiguous", "unit-dim", "transposed", "strided", "offset-rows"])
+    # The left columns of a square buffer: the row stride is the row count times the item size.
+    lambda a: np.zeros((a.shape[0], a.shape[0]), a.dtype)[:, : a.shape[1]],
+], ids=["contiguous", "unit-dim", "transposed", "strided", "offset-rows", "square-buffer-columns"])
 def test_reading_into_any_layout_equals_a_plain_read(tmp_path, make):
     t = tier(tmp_path)
     a = RNG.standard_normal((37, 9)).astype(np.float32)
@@ -235,8 +237,12 @@ def test_misses_without_a_kind_are_counted_together(tmp_path):
     assert t.usage()["lifetime"]["kinds"]["unknown"]["misses"] == 2
 
 
-def test_short_reads_resume_where_they_stopped(tmp_path, monkeypatch):
-    """The kernel may return fewer bytes than asked (signals, network file systems): reads go on from there."""
+@pytest.mark.parametrize("step", [7, 1], ids=["7-bytes", "1-byte"])
+def test_short_reads_resume_where_they_stopped(tmp_path, monkeypatch, step):
+    """The kernel may return fewer bytes than asked (signals, network file systems): reads go on from there.
+
+    Only a read of no bytes at all is the end of the file: one byte is a short read like any other.
+    """
     import os
 
     t = tier(tmp_path)
@@ -244,8 +250,8 @@ def test_short_reads_resume_where_they_stopped(tmp_path, monkeypatch):
     stored(t, "kv", {"k": k, "x": np.arange(1000, dtype=np.int64)})
     real = os.preadv
 
-    def short(fd, buffers, offset):  # at most 7 bytes per call, wherever in a buffer that ends
-        left, out = 7, []
+    def short(fd, buffers, offset):  # at most `step` bytes per call, wherever in a buffer that ends
+        left, out = step, []
         for b in buffers:
             m = memoryview(b).cast("B")
             out.append(m[:left])
@@ -259,6 +265,19 @@ def test_short_reads_resume_where_they_stopped(tmp_path, monkeypatch):
     got = t.get_into(key_of("kv"), "test", "", {"k": into})
     assert got is not None and np.array_equal(into, k) and got.tensors["x"].tolist() == list(range(1000))
     assert t.get(key_of("kv")).tensors["x"].tolist() == list(range(1000))
+
+
+def test_more_views_than_one_preadv_holds_are_each_filled_in_order(tmp_path):
+    """The read helper batches views by the kernel's IOV_MAX: every batch, the last partial one too, is read."""
+    from promptstore._tiers.disk import _IOV_MAX, _pread_all
+
+    data = RNG.integers(0, 256, 20 * _IOV_MAX, dtype=np.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    views = [memoryview(bytearray(5)) for _ in range(2 * _IOV_MAX + 100)]  # three batches
+    with open(path, "rb", buffering=0) as f:
+        assert _pread_all(f.fileno(), views, 11) == 5 * len(views)
+    assert b"".join(bytes(v) for v in views) == data[11 : 11 + 5 * len(views)]
 
 
 def test_a_folder_holding_only_a_crashed_version_files_temp_is_a_new_store(tmp_path):
