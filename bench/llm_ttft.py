@@ -6,18 +6,24 @@ Prompts are a document plus a question: the document is cut to ``length - 23`` t
 multiple of the block size) and the questions differ in length. For each length, side by side:
 
   full prefill        transformers over the whole prompt (the model warm, in this process)
+  floor               one forward over the tokens a hit leaves uncached, on a cache of the others
+                      already in memory (this process): the least any hit can cost
   deepcopy (seed)     the document prefilled once in process, its DynamicCache deep-copied per question
   first request       a fresh process per repeat: after the model is loaded (not timed), open the
-                      store, build the PrefixCache and prefill document + a new question. Everything
-                      the user waits for after model load is timed: fingerprint, lookup, KV load, forward.
-  steady state        further new questions in that same process
+                      store, build the PrefixCache and call it on document + a new question, once
+                      through ``generate(max_new_tokens=1)`` and once (another process) through
+                      ``prefill``. Everything the user waits for after model load is timed:
+                      fingerprint, lookup, KV load, forward.
+  steady state        further new questions in that same process, through the same call
 
 The store was warmed beforehand by another process that prefilled document + one question, so
 each request reuses the document's KV (token-granular: full blocks and the stored tail). Every
-TTFT is a median; each cached run's next-token scores are compared with the full prefill's.
-KV load GB/s is the KV bytes served over the time spent reading blocks into the request's
-buffers (files to final buffers, checksums included; the fingerprint is not). Writes
-llm_ttft.json and llm_ttft.png. Not a test: read the ratios, not the absolute times.
+TTFT is a median; each cached run's next-token scores (prefill) or token (generate) are compared
+with the full prefill's. KV load GB/s is the KV bytes served over the time spent reading blocks
+into the request's buffers (files to final buffers, checksums included; the fingerprint is not).
+Peak memory is the first request's growth of the process's peak RSS over the loaded model's,
+against the KV's own size. Writes llm_ttft.json and llm_ttft.png. Not a test: read the ratios,
+not the absolute times.
 """
 
 from __future__ import annotations
@@ -89,7 +95,10 @@ def child(args: argparse.Namespace) -> None:
             finally:
                 self.reading += time.perf_counter() - t0
 
+    import resource
+
     model, tok = load_model()
+    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     qs = questions(args)
     order = [qs[args.index]] + [q for q in qs[args.repeats :]]  # this repeat's first question, then steady ones
     prompts = [prompt_ids(tok, args.length, q)[0] for q in order]
@@ -105,20 +114,30 @@ def child(args: argparse.Namespace) -> None:
     for i, ids in enumerate(prompts):
         if i:
             t0 = time.perf_counter()
-        _, scores = pc.prefill(ids)
-        times.append(time.perf_counter() - t0)
-        logits.append(scores.tolist())
+        if args.call == "generate":
+            out = pc.generate(ids, max_new_tokens=1, do_sample=False)
+            times.append(time.perf_counter() - t0)
+            logits.append(int(out[0, -1]))
+        else:
+            _, scores = pc.prefill(ids)
+            times.append(time.perf_counter() - t0)
+            logits.append(scores.tolist())
+        if i == 0:
+            first_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            served = pc.stats["last"]["served"]
     layers, heads, k_dim, v_dim, _ = pc._get_layout()
     per_token = layers * heads * (k_dim + v_dim) * 4
     store.close()
     print(json.dumps({"first": times[0], "steady": times[1:], "questions": order, "logits": logits,
                       "served": pc.stats["last"]["served"], "computed": pc.stats["last"]["computed"],
-                      "loads": [(s, n * per_token) for s, n in pc.loads]}))
+                      "loads": [(s, n * per_token) for s, n in pc.loads],
+                      "peak growth": first_rss - loaded_rss, "kv bytes": served * per_token}))
 
 
-def run_child(args: argparse.Namespace, folder: Path, length: int, index: int = 0, warm: bool = False) -> dict:
+def run_child(args: argparse.Namespace, folder: Path, length: int, index: int = 0, warm: bool = False,
+              call: str = "prefill") -> dict:
     cmd = [sys.executable, __file__, "--child", "--store", str(folder), "--length", str(length), "--index", str(index),
-           "--repeats", str(args.repeats), "--steady", str(args.steady), "--threads", str(args.threads)]
+           "--repeats", str(args.repeats), "--steady", str(args.steady), "--threads", str(args.threads), "--call", call]
     proc = subprocess.run(cmd + (["--warm"] if warm else []), capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"child failed:\n{proc.stderr[-3000:]}")
@@ -132,6 +151,7 @@ def main() -> None:
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--call", choices=("prefill", "generate"), default="prefill", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -175,48 +195,82 @@ def main() -> None:
             dc.append(time.perf_counter() - t0)
             assert (out - refs[q]).abs().max().item() < 1e-3
         row["deepcopy (seed, in process)"] = statistics.median(dc)
+        # The floor: one forward over what a hit leaves uncached (the question), on the document's
+        # KV already in memory; cropped back after each question instead of copied.
+        floor = []
+        for q in qs:
+            ids, _ = prompt_ids(tok, length, q)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model(torch.tensor([ids[n_doc:]]), use_cache=True, logits_to_keep=1, **{arg: base_cache})
+            floor.append(time.perf_counter() - t0)
+            base_cache.crop(n_doc)
+        row["floor"] = statistics.median(floor)
         del base, base_cache, c
-        first, steady, loads_first, loads_steady, diffs = [], [], [], [], []
-        for r in range(args.repeats):
-            folder = Path(tempfile.mkdtemp(prefix="ps-llm-"))
-            try:
-                run_child(args, folder, length, warm=True)
-                res = run_child(args, folder, length, index=r)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            first.append(res["first"])
-            steady.extend(res["steady"])
-            loads_first.append(res["loads"][0])
-            loads_steady.extend(res["loads"][1:])
-            for q, scores in zip(res["questions"], res["logits"], strict=True):
-                diffs.append((torch.tensor(scores) - refs[q]).abs().max().item())
-            row["served"], row["computed"] = res["served"], res["computed"]
-        row["first request (fresh process)"] = statistics.median(first)
-        row["steady state"] = statistics.median(steady)
-        row["kv load GB/s, first"] = statistics.median(b / s / 1e9 for s, b in loads_first)
-        row["kv load GB/s, steady"] = statistics.median(b / s / 1e9 for s, b in loads_steady)
-        row["max |score diff|"] = max(diffs)
+        # One warm store per length (another process prefilled document + one question); each
+        # fresh process gets its own copy, so that what one stores never serves the next.
+        warm = Path(tempfile.mkdtemp(prefix="ps-llm-warm-"))
+        run_child(args, warm, length, warm=True)
+        for call in ("generate", "prefill"):
+            first, steady, loads_first, loads_steady, diffs, growth = [], [], [], [], [], []
+            for r in range(args.repeats):
+                folder = Path(tempfile.mkdtemp(prefix="ps-llm-")) / "store"
+                try:
+                    shutil.copytree(warm, folder)
+                    res = run_child(args, folder, length, index=r, call=call)
+                finally:
+                    shutil.rmtree(folder.parent, ignore_errors=True)
+                first.append(res["first"])
+                steady.extend(res["steady"])
+                loads_first.append(res["loads"][0])
+                loads_steady.extend(res["loads"][1:])
+                growth.append((res["peak growth"], res["kv bytes"]))
+                for q, got in zip(res["questions"], res["logits"], strict=True):
+                    if call == "generate":
+                        assert got == int(refs[q].argmax()), (length, q, "first token differs from a full prefill's")
+                    else:
+                        diffs.append((torch.tensor(got) - refs[q]).abs().max().item())
+                row["served"], row["computed"] = res["served"], res["computed"]
+            row[f"first request (fresh process, {call})"] = statistics.median(first)
+            row[f"steady state ({call})"] = statistics.median(steady)
+            row[f"kv load GB/s, first ({call})"] = statistics.median(b / s / 1e9 for s, b in loads_first)
+            row[f"kv load GB/s, steady ({call})"] = statistics.median(b / s / 1e9 for s, b in loads_steady)
+            row[f"peak RSS growth / KV bytes ({call})"] = statistics.median(g / max(b, 1) for g, b in growth)
+            if diffs:
+                row["max |score diff|"] = max(diffs)
+        shutil.rmtree(warm, ignore_errors=True)
+        # A hit serves the document (the warm process stored it, with its tail): that is what the floor took as cached.
+        assert row["served"] == n_doc, (row["served"], n_doc)
+        # Compatibility with report.py's headline and plot (prefill's figures, as before).
+        row["first request (fresh process)"] = row["first request (fresh process, prefill)"]
+        row["steady state"] = row["steady state (prefill)"]
+        row["kv load GB/s, first"] = row["kv load GB/s, first (prefill)"]
+        row["kv load GB/s, steady"] = row["kv load GB/s, steady (prefill)"]
         results[str(length)] = row
-        print(f"  {length:>5} tokens: full {row['full prefill']:.3f}s | deepcopy {row['deepcopy (seed, in process)']:.3f}s"
-              f" | first request {row['first request (fresh process)']:.3f}s "
-              f"({row['full prefill'] / row['first request (fresh process)']:.1f}x) | steady {row['steady state']:.3f}s "
-              f"({row['full prefill'] / row['steady state']:.1f}x) | KV load {row['kv load GB/s, first']:.2f} / "
-              f"{row['kv load GB/s, steady']:.2f} GB/s | computed {row['computed']} | max diff {row['max |score diff|']:.1e}",
-              flush=True)
+        g, pf = row["first request (fresh process, generate)"], row["first request (fresh process, prefill)"]
+        print(f"  {length:>5} tokens: full {row['full prefill']:.3f}s | floor {row['floor'] * 1e3:.0f} ms | first request "
+              f"generate {g * 1e3:.0f} ms ({g / row['floor']:.2f}x the floor, {row['full prefill'] / g:.1f}x faster than "
+              f"full), prefill {pf * 1e3:.0f} ms ({pf / row['floor']:.2f}x) | steady generate "
+              f"{row['steady state (generate)'] * 1e3:.0f} ms ({row['steady state (generate)'] / row['floor']:.2f}x) | "
+              f"KV load {row['kv load GB/s, first (generate)']:.2f} / {row['kv load GB/s, steady (generate)']:.2f} GB/s | "
+              f"peak RSS {row['peak RSS growth / KV bytes (generate)']:.2f}x the KV | computed {row['computed']} | "
+              f"max diff {row['max |score diff|']:.1e}", flush=True)
     write(results, info, args)
 
 
 def write(results: dict, info: dict, args: argparse.Namespace) -> None:
-    lines = ["| prompt tokens | computed | full prefill | deepcopy (in process) | **first request, fresh process** "
-             "| steady state | first request vs full | steady vs full | steady vs deepcopy | KV load GB/s first / steady "
-             "| max score diff |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| prompt tokens | computed | full prefill | floor | **first request, fresh process: generate** | prefill "
+             "| steady state: generate | prefill | first request (generate) / floor | steady (generate) / floor "
+             "| first request vs full | KV load GB/s first / steady | peak RSS growth / KV | max score diff |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results.values():
-        f, d, first, st = (r["full prefill"], r["deepcopy (seed, in process)"], r["first request (fresh process)"],
-                           r["steady state"])
-        lines.append(f"| {r['tokens']:,} | {r['computed']} | {f * 1000:,.0f} ms | {d * 1000:.0f} ms | **{first * 1000:.0f} ms** "
-                     f"| {st * 1000:.0f} ms | **{f / first:.1f}x** | {f / st:.1f}x | {st / d:.2f}x the time "
-                     f"| {r['kv load GB/s, first']:.2f} / {r['kv load GB/s, steady']:.2f} | {r['max |score diff|']:.1e} |")
+        f, fl = r["full prefill"], r["floor"]
+        g, p = r["first request (fresh process, generate)"], r["first request (fresh process, prefill)"]
+        sg, sp = r["steady state (generate)"], r["steady state (prefill)"]
+        lines.append(f"| {r['tokens']:,} | {r['computed']} | {f * 1000:,.0f} ms | {fl * 1000:.0f} ms | **{g * 1000:.0f} ms** "
+                     f"| {p * 1000:.0f} ms | {sg * 1000:.0f} ms | {sp * 1000:.0f} ms | **{g / fl:.2f}x** | {sg / fl:.2f}x "
+                     f"| {f / g:.1f}x | {r['kv load GB/s, first (generate)']:.2f} / {r['kv load GB/s, steady (generate)']:.2f} "
+                     f"| {r['peak RSS growth / KV bytes (generate)']:.2f}x | {r['max |score diff|']:.1e} |")
     table = "\n".join(lines)
     print()
     print(table)

@@ -120,6 +120,7 @@ class PrefixCache:
         self._last = Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
+        self._parted = 0  # this request's longest stored KV prefix (see _lookup)
         self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
 
     # -- identity -------------------------------------------------------------------------
@@ -278,6 +279,7 @@ class PrefixCache:
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_cached = self._lookup_into(ids, buffers)
+        self._parted = n_cached  # where this prompt parts from every stored one (KV), before any state point
         state = None
         if self._states() and n_cached:
             n_cached, state = self._state_point(ids, n_cached)
@@ -598,7 +600,11 @@ class PrefixCache:
             return self._forward(ids, start, stop, cache)
         every = self._state_every()
         seconds, logits = 0.0, None
-        ends = [*range((start // every + 1) * every, stop, every), *([stop - 1] if last_apart else []), stop]
+        # Where the prompt parts from the stored ones too: a hit that resumed before it (the last
+        # stored state) stores one there, so the next prompt that parts there (another question
+        # after the same document or system prompt) resumes there exactly.
+        parted = [self._parted] if start < self._parted < stop else []
+        ends = [*range((start // every + 1) * every, stop, every), *parted, *([stop - 1] if last_apart else []), stop]
         first = start
         for end in sorted(e for e in set(ends) if e > start):
             cache, logits, took = self._forward(ids, start, end, cache)
@@ -629,6 +635,7 @@ class PrefixCache:
 
     def _begin(self, n_queried: int) -> None:
         self._new_request()
+        self._parted = 0
         self._last = Counts()
         self._last.queried = n_queried
         self._last.requests = 1

@@ -103,6 +103,26 @@ def test_a_miss_stores_states_every_so_often_and_a_diverging_prompt_resumes_from
     assert pc.stats["last"]["served"] == 32  # KV runs to 40 tokens; the last state before it is at 32
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1"])
+def test_a_hit_stores_the_state_where_its_prompt_parts_so_the_next_one_resumes_there(name, models, store, monkeypatch):
+    """A shared system prompt, then requests of their own: the first hit resumes at the last stored state before
+    the shared part's end and stores one there; every later request resumes at the end of the shared part."""
+    import promptstore.llm._prefix as prefix
+
+    monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
+    model = models[name]
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, vocab, 43).tolist()  # parts inside a block, past the last multiple of 16
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    served = []
+    for _ in range(3):
+        ids = system + rng.integers(1, vocab, 7).tolist()
+        assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "a request after the shared system prompt")
+        served.append(pc.stats["last"]["served"])
+    assert served == [0, 32, 43]
+
+
 def test_a_stored_state_that_does_not_fit_is_a_miss_never_a_crash(models, store):
     model = models["qwen3_next"]
     doc = np.random.default_rng(3).integers(1, vocab_of(model), 20).tolist()
