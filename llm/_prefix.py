@@ -46,8 +46,9 @@ KIND = "llm.kv"
 _STORED_DTYPES = ("F64", "F32", "F16", "BF16")  # what stored KV may be: anything else under a key is a miss
 TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind llm.kv)
 # Linear-attention/SSM models: a miss stores every layer's running state about this often (a
-# whole number of blocks), and at each request's end. Measured in bench/llm_families.py.
-STATE_EVERY_TOKENS = 512
+# whole number of blocks), and at each request's end. Chosen in bench/state_every.py: the least
+# worst regret over two workloads (RAG documents, a shared system prompt) and two state models.
+STATE_EVERY_TOKENS = 256
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 

@@ -46,6 +46,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "falcon_h1": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128},
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    # Shrunk to one layer (a Mamba one) by default: two, the second attention (Zamba2's "hybrid"
+    # layers add its shared attention block).
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                         "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 8, "shared_intermediate_size": 32},
+    "zamba2": {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1],
+               "mamba_headdim": 16, "n_mamba_heads": 8, "mamba_d_state": 8, "attention_hidden_size": 128,
+               "attention_head_dim": 32, "kv_channels": 16, "num_query_groups": 4},
 }
 _SPECIAL_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                 "cls_token_id", "mask_token_id", "unk_token_id")
