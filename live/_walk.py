@@ -382,7 +382,7 @@ class Walk:
         elif isinstance(v, (dict, Mapping)):
             self._mapping(v, path, depth, state=True)
         elif isinstance(v, (types.FunctionType, types.MethodType, functools.partial, types.BuiltinFunctionType,
-                            types.BuiltinMethodType, staticmethod, classmethod, property)):
+                            types.BuiltinMethodType, staticmethod, classmethod, property)) or _torchscript(v):
             self.callable(v, path, depth)
         elif isinstance(v, type):
             self.emit(f"class:{v.__module__}.{v.__qualname__}")
@@ -404,7 +404,7 @@ class Walk:
             describe_backend(self, v, path, per_call=per_call)
             text = tuple(self.lines[start:])
             self.reads.calls.append((lambda b=v, p=path, c=per_call: _backend_text(b, p, c), text))
-        elif isinstance(v, (torch.Generator, random.Random)) or type(v).__name__ == "Generator" and "numpy" in type(v).__module__:
+        elif isinstance(v, (torch.Generator, random.Random)) or _numpy_random(v):
             raise Unidentifiable(path, "a random generator (its output is random)")
         else:
             self.obj(v, path, depth)
@@ -537,11 +537,15 @@ class Walk:
             self._function(fn, path, depth, shallow)
         elif isinstance(fn, type):
             self.emit(f"class:{fn.__module__}.{fn.__qualname__}")
-        elif type(fn).__name__ in ("ScriptFunction", "RecursiveScriptModule", "ScriptMethod"):
+        elif type(fn).__name__ == "ScriptFunction":  # (a scripted module is walked as a module, below)
             code = getattr(fn, "code", None)
             if not isinstance(code, str):
                 raise Unidentifiable(path, f"a TorchScript {type(fn).__name__} without code")
             self.emit(f"script:{xxhash.xxh3_128_hexdigest(code.encode())}")
+        elif type(fn).__name__ == "ScriptMethod":
+            # Its code runs on its module's tensors, which live in C++ out of reach from the method (a
+            # loaded module's method has no Python field at all): hold the scripted module instead.
+            raise Unidentifiable(path, "a TorchScript method (its module's state cannot be read through it)")
         elif callable(fn):
             self.value(fn, path, depth + 1)  # a callable object: its class's __call__ and its fields
         else:
@@ -593,7 +597,7 @@ class Walk:
         if isinstance(v, _PRIMITIVES) or isinstance(v, enum.Enum):
             self.value(v, path, depth)
         elif isinstance(v, (types.FunctionType, functools.partial, types.MethodType, types.BuiltinFunctionType,
-                            staticmethod, classmethod)):
+                            staticmethod, classmethod)) or _torchscript(v):
             self.callable(v, path, depth)
         elif isinstance(v, types.ModuleType):
             self.emit(f"pymodule:{v.__name__}")
@@ -645,6 +649,18 @@ def _sets_backend_each_call(cls: type) -> bool:
         if owner is not None and not (owner.__module__.startswith("transformers.") and owner.__name__ in _FAST_TOKENIZERS):
             return False
     return any(k.__module__.startswith("transformers.") and k.__name__ in _FAST_TOKENIZERS for k in cls.__mro__)
+
+
+def _numpy_random(v: Any) -> bool:
+    """A numpy random generator, subclasses included (a subclass has a __dict__, and would be keyed by it)."""
+    r = sys.modules.get("numpy.random")  # none can exist before numpy.random is imported
+    return r is not None and isinstance(v, (r.Generator, r.RandomState, r.BitGenerator))
+
+
+def _torchscript(v: Any) -> bool:
+    """TorchScript code: a scripted function (named by its compiled code, which may have no Python function
+    behind it) or a scripted module's method (refused): see ``Walk.callable``."""
+    return type(v).__name__ in ("ScriptFunction", "ScriptMethod")
 
 
 def _plain_class(cls: type) -> bool:

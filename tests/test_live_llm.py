@@ -868,3 +868,284 @@ def test_describe_lines_show_what_changed_between_two_calls():
     changed = [line for line in after if line not in before]
     assert changed and any("0.5" in line for line in changed)
     assert module_identity(model) != module_identity(tiny())
+
+
+# -- identity details found by mutation testing, second pass ----------------------------------------------
+def test_autocast_is_read_per_device_through_the_older_torch_functions():
+    """torch 2.1-2.3 (supported) has no is_autocast_enabled(device): the fallback reads the CPU's own flag and
+    dtype for "cpu" and the GPU's for "cuda", so the ambient identity is the one the newer functions give."""
+    from promptstore._live import autocast_active
+    from promptstore._live._ambient import ambient_lines
+
+    class OlderTorch:
+        """torch as torch 2.3 spells autocast: one function per device type, no device argument."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def is_autocast_enabled():  # the GPU's flag; passing a device is a TypeError there
+            return torch.is_autocast_enabled("cuda")
+
+        @staticmethod
+        def is_autocast_cpu_enabled():
+            return torch.is_autocast_enabled("cpu")
+
+        @staticmethod
+        def get_autocast_cpu_dtype():
+            return torch.get_autocast_dtype("cpu")
+
+        @staticmethod
+        def get_autocast_gpu_dtype():
+            return torch.get_autocast_dtype("cuda")
+
+    older = OlderTorch()
+    outside = ambient_lines(older)
+    assert outside == ambient_lines(torch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_active(older, "cpu") == "torch.bfloat16"
+        assert autocast_active(older, "cuda") is None
+        assert ambient_lines(older) == ambient_lines(torch) != outside
+
+
+@pytest.mark.parametrize("flag", ["allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction",
+                                  "allow_tf32"])
+def test_a_cublas_precision_switch_flipped_is_another_ambient_identity(flag):
+    """cuBLAS's reduced-precision reductions (and TF32) change a GPU matmul's numbers; the switches can be
+    flipped on any build, and each is keyed."""
+    from promptstore._live import ambient_identity
+
+    matmul = torch.backends.cuda.matmul
+    before, was = ambient_identity(), getattr(matmul, flag)
+    try:
+        setattr(matmul, flag, not was)
+    except (RuntimeError, AttributeError) as exc:
+        pytest.skip(f"this torch build cannot set {flag}: {exc}")
+    try:
+        assert getattr(matmul, flag) is (not was)
+        assert ambient_identity() != before, f"{flag} flipped kept the ambient identity"
+    finally:
+        setattr(matmul, flag, was)
+    assert ambient_identity() == before
+
+
+class _PackedLinear(torch.nn.Module):
+    """A hand-rolled int8 layer: its weights packed for the quantized engine (an opaque TorchScript object,
+    which its own _save_to_state_dict unpacks), its bias a float parameter."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0]))
+        self.pack(weight)
+
+    def pack(self, weight):
+        self.packed = torch.ops.quantized.linear_prepack(torch.quantize_per_tensor(weight, 0.01, 0, torch.qint8), None)
+
+    def forward(self, x):
+        return torch.ops.quantized.linear_dynamic(x, self.packed) + self.bias
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = torch.ops.quantized.linear_unpack(self.packed)[0]
+
+
+def test_packed_weights_are_keyed_through_what_the_state_dict_saves():
+    """Packed weights live in C++: the identity reads them through the module's _save_to_state_dict, beside
+    its parameters (here a bias saved under a name sorted first), in torch's dynamic quantization and in a
+    hand-rolled layer alike."""
+    from promptstore._live import module_identity
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    layer = _PackedLinear(torch.randn(4, 8) * 0.1)
+    before, out = module_identity(layer), layer(x)
+    layer.pack(torch.randn(4, 8) * 0.1)  # repacked: other weights, the same parameters
+    assert not torch.allclose(layer(x), out)
+    assert module_identity(layer) != before
+
+    model = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(8, 4)), {torch.nn.Linear},
+                                                   dtype=torch.qint8)
+    before, out = module_identity(model), model(x)
+    model[0].set_weight_bias(torch.quantize_per_tensor(torch.randn(4, 8) * 0.1, 0.01, 0, torch.qint8), None)
+    assert not torch.allclose(model(x), out)
+    assert module_identity(model) != before
+
+
+def test_an_opaque_torchscript_object_its_state_dict_does_not_save_is_refused():
+    """The same packed weights on a module whose state_dict does not save them: nothing can read them."""
+    from promptstore._live import module_identity
+
+    holder = torch.nn.Linear(8, 4)
+    holder.packed = torch.ops.quantized.linear_prepack(
+        torch.quantize_per_tensor(torch.randn(4, 8) * 0.1, 0.01, 0, torch.qint8), None)
+    with pytest.raises(UnsupportedModelError, match="packed"):
+        module_identity(holder)
+
+
+class _Rounding:
+    """A forward hook object that rounds a layer's output through its ``dtype`` field."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, out):
+        return out.to(self.dtype).to(out.dtype)
+
+
+def test_a_hook_objects_dtype_field_is_keyed(store):
+    """Plain objects keep every field (only a transformers config leaves out where it came from, its
+    ``dtype`` among them): a hook's ``dtype`` edited in place is another key."""
+    model = tiny()
+    rounding = _Rounding(torch.float32)
+    model.model.layers[1].mlp.register_forward_hook(rounding)
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    before = plain(model)
+    rounding.dtype = torch.float8_e4m3fn  # float8 simulated on a float model
+    assert not torch.allclose(plain(model), before, atol=1e-3), "the change must matter for this test to bite"
+    assert served_after(pc, what="the hook now rounds to float8") == 0
+
+
+_GAIN = 1.0  # a module-level setting the patched forward below reads as a global
+_LLAMA_MLP_FORWARD = modeling_llama.LlamaMLP.forward
+
+
+def _gained_mlp_forward(self, x):
+    return _LLAMA_MLP_FORWARD(self, x) * _GAIN
+
+
+def test_a_module_global_that_patched_code_reads_is_keyed(store, monkeypatch):
+    import sys
+
+    model = tiny()
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _gained_mlp_forward)
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    monkeypatch.setattr(sys.modules[__name__], "_GAIN", 3.0)
+    assert served_after(pc, what="the module global the patched forward reads") == 0
+
+
+def test_a_partial_of_a_class_is_keyed_by_the_class_and_its_arguments():
+    """A layer factory (``functools.partial(nn.GELU, approximate=...)``) kept on a module."""
+    import functools
+
+    from promptstore._live import module_identity
+
+    holder = torch.nn.Linear(2, 2)
+    seen = set()
+    for factory in (functools.partial(torch.nn.GELU, approximate="tanh"), functools.partial(torch.nn.GELU),
+                    functools.partial(torch.nn.SiLU)):
+        holder.make_act = factory
+        seen.add(module_identity(holder))
+    assert len(seen) == 3
+
+
+def _script(source):
+    """A TorchScript function compiled from source (as torch.jit.load gives one): no Python function behind it."""
+    return torch.jit.CompilationUnit(source).act
+
+
+_SCRIPTED = _script("def act(x):\n    return x * 2.0\n")
+
+
+def _scripted_forward(self, x):
+    return _LLAMA_MLP_FORWARD(self, _SCRIPTED(x))
+
+
+def test_torchscript_functions_are_keyed_by_their_code(monkeypatch):
+    """Held as an attribute, in a partial, or named as a module global by the code that runs: two TorchScript
+    functions with other code are other identities (found by mutation testing: held or global, they were
+    named by their type alone)."""
+    import functools
+    import sys
+
+    from promptstore._live import module_identity
+
+    double, half = _script("def act(x):\n    return x * 2.0\n"), _script("def act(x):\n    return x / 2.0\n")
+    assert not torch.equal(double(torch.ones(1)), half(torch.ones(1)))
+    holder = torch.nn.Linear(2, 2)
+    for wrap in (lambda f: f, functools.partial):
+        holder.act = wrap(double)
+        before = module_identity(holder)
+        holder.act = wrap(half)
+        assert module_identity(holder) != before
+    del holder.act
+
+    model = tiny()
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _scripted_forward)
+    before = module_identity(model)
+    monkeypatch.setattr(sys.modules[__name__], "_SCRIPTED", half)
+    assert module_identity(model) != before
+
+
+def test_a_partial_of_a_scripted_module_is_keyed_by_its_weights():
+    """A scripted module reached as code (in a partial) is a module: its tensors are keyed, not only its code
+    (found by mutation testing: its weights edited in place kept the identity)."""
+    import functools
+
+    from promptstore._live import module_identity
+
+    torch.manual_seed(0)
+    scripted = torch.jit.script(torch.nn.Linear(2, 2))
+    holder = torch.nn.Linear(2, 2)
+    holder.head = functools.partial(scripted)
+    before = module_identity(holder)
+    with torch.no_grad():
+        scripted.weight.add_(1.0)
+    assert module_identity(holder) != before
+
+
+def test_a_torchscript_method_is_refused():
+    """A scripted module's method runs on tensors held in C++, out of its reach; a loaded module's method has
+    no Python field at all (found by mutation testing: held, it was named by its type alone)."""
+    import functools
+    import io
+
+    from promptstore._live import module_identity
+
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    holder = torch.nn.Linear(2, 2)
+    for held in (loaded.forward, functools.partial(torch.jit.script(torch.nn.Linear(2, 2)).forward)):
+        holder.head = held
+        with pytest.raises(UnsupportedModelError, match="TorchScript method"):
+            module_identity(holder)
+    holder.head = loaded  # the module itself: its code and tensors
+    module_identity(holder)
+
+
+class _SeededGenerator(np.random.Generator):
+    """A user's generator class: a Python subclass, so it has a __dict__ (empty) where numpy's own has none."""
+
+
+class _LegacyRandomState(np.random.RandomState):
+    pass
+
+
+NUMPY_GENERATORS = {"default_rng": lambda: np.random.default_rng(0), "bit_generator": lambda: np.random.PCG64(0),
+                    "generator_subclass": lambda: _SeededGenerator(np.random.PCG64(0)),
+                    "random_state_subclass": lambda: _LegacyRandomState(0)}
+
+
+@pytest.mark.parametrize("kind", list(NUMPY_GENERATORS))
+def test_a_numpy_generator_is_refused_as_random(store, kind):
+    """Whatever its class (found by mutation testing: a subclass was keyed by its empty fields, and one
+    draw would have been stored for good)."""
+    model = tiny()
+    model.model.layers[0].mlp.rng = NUMPY_GENERATORS[kind]()
+    with pytest.raises(UnsupportedModelError, match="random generator"):
+        PrefixCache(model, None, store=store, block_tokens=8).prefill(IDS)
+    assert not store.ls("llm.kv")
+
+
+def test_a_refusal_inside_a_function_attribute_names_where_it_is():
+    """What cannot be named is reported by its place: the attribute, then the closure cell."""
+    from promptstore._live import module_identity
+
+    table = np.ones(3)
+    model = tiny()
+    model.model.layers[0].mlp.scale = lambda x: x * table[0]
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.scale<table>"):
+        module_identity(model)
