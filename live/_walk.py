@@ -533,6 +533,10 @@ class Walk:
             owner = getattr(fn, "__self__", None)
             where = owner.__name__ if isinstance(owner, types.ModuleType) else type(owner).__qualname__
             self.emit(f"builtin:{getattr(fn, '__module__', None) or where}.{fn.__qualname__}")
+            if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+                # Bound to an instance (``t.mul``, ``Random().random``): what it computes is that
+                # instance's too, so it is described (or refused) as a bound Python method's is.
+                self.value(owner, f"{path}.__self__", depth + 1)
         elif isinstance(fn, types.FunctionType):
             self._function(fn, path, depth, shallow)
         elif isinstance(fn, type):

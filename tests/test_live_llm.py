@@ -1149,3 +1149,25 @@ def test_a_refusal_inside_a_function_attribute_names_where_it_is():
     model.model.layers[0].mlp.scale = lambda x: x * table[0]
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.scale<table>"):
         module_identity(model)
+
+
+class _BoundScale(torch.nn.Module):
+    """A layer that calls a builtin bound to a tensor it was given (``scale.mul``), not a Parameter of its own."""
+
+    def __init__(self, inner, fn):
+        super().__init__()
+        self.inner, self.fn = inner, fn
+
+    def forward(self, x):
+        return self.fn(self.inner(x))
+
+
+def test_a_builtin_bound_to_a_tensor_is_keyed_by_that_tensor(store):
+    model = tiny()
+    scale = torch.full((64,), 1.5)
+    model.model.layers[1].mlp = _BoundScale(model.model.layers[1].mlp, scale.mul)
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(IDS)
+    scale[:] = 0.5  # edited in place: the bound method is the same object
+    assert served_after(pc, what="the tensor a bound builtin multiplies by") == 0
+
