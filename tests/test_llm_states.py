@@ -337,6 +337,28 @@ def test_a_state_stored_after_a_one_token_piece_costs_the_runs_mean_rate(models,
     assert len(costs) == 5 and costs[-1] <= 5.0 + 1e-9  # no state saves more than the whole prompt cost
 
 
+def test_blocks_stored_by_a_run_resuming_mid_prompt_cost_its_rate(models, store, monkeypatch):
+    """A hit that resumes at a stored state runs the rest in pieces: their blocks are priced at that run's
+    rate (its seconds over the tokens it ran), not over the prompt from its start."""
+    import types
+
+    import promptstore.llm._prefix as prefix
+
+    monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
+    model = models["qwen3_next"]
+    rng = np.random.default_rng(11)
+    a = rng.integers(1, vocab_of(model), 50).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(a)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(prefix, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    b = a[:40] + rng.integers(1, vocab_of(model), 30).tolist()
+    pc.prefill(b)  # resumes at 32: forwards over 32-40 (where it parts from a) and 40-48, one second each
+    assert pc.stats["last"]["served"] == 32
+    block = pc._block_keys(np.array(b), 6)[5]  # tokens 40-48: stored after the piece that ends at 48
+    assert {info.key: info.cost_s for info in store.ls()}[block] == pytest.approx(1.0)  # 2 s / 16 tokens x 8
+
+
 def test_a_cache_restored_under_inference_mode_continues_outside_it(models, store):
     """Restored states are normal tensors: the caller may continue the cache outside inference_mode."""
     model = models["qwen3_next"]
