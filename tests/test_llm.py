@@ -174,6 +174,28 @@ def test_a_request_of_the_same_size_reuses_the_buffers_an_earlier_one_let_go(tin
     assert kv_layers(again)[0][0].untyped_storage().data_ptr() == first
 
 
+@pytest.mark.parametrize("setting", ["prefill_chunk_size", "logits_processor", "sampling"])
+def test_a_generate_hit_equals_model_generate_under_generation_settings(tiny, store, setting):
+    """The uncached prompt runs inside model.generate: its chunked prefill, a caller's own logits
+    processors and seeded sampling see the same scores as without the cache."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    ids = np.random.default_rng(8).integers(0, 500, 75).tolist()
+    kwargs = {"prefill_chunk_size": {"prefill_chunk_size": 4},
+              "logits_processor": {"logits_processor": LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])},
+              "sampling": {"do_sample": True, "top_k": 20}}[setting]
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(ids[:60])
+    torch.manual_seed(3)
+    got = pc.generate(ids, max_new_tokens=8, **({"do_sample": False} | kwargs))[0].tolist()
+    assert pc.stats["last"]["served"] == 60
+    torch.manual_seed(3)
+    with torch.no_grad():
+        want = tiny.generate(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=8, **({"do_sample": False} | kwargs))[0].tolist()
+    assert got == want
+
+
 def test_kv_blocks_are_bound_to_the_weights(tiny, store):
     ids = np.random.default_rng(4).integers(0, 500, 80).tolist()
     PrefixCache(tiny, store=store, block_tokens=16).prefill(ids)
