@@ -269,6 +269,7 @@ class PrefixCache:
         return self._lookup(ids)
 
     def _lookup(self, ids: np.ndarray) -> tuple[Any, int]:
+        self._parted = 0
         usable = len(ids) - 1
         n_blocks = -(-usable // self.block_tokens)
         if n_blocks == 0:
@@ -636,7 +637,6 @@ class PrefixCache:
 
     def _begin(self, n_queried: int) -> None:
         self._new_request()
-        self._parted = 0
         self._last = Counts()
         self._last.queried = n_queried
         self._last.requests = 1
