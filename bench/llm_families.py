@@ -201,17 +201,23 @@ def main() -> None:
     info = machine()
     print(f"PrefixCache across families on {info['summary']}; SmolLM2-135M dimensions, random weights, fp32, "
           f"{args.threads} threads, {args.repeats} repeats", flush=True)
-    results = {"machine": info, "families": {}}
+    # Rows are added to what earlier runs wrote (one family or length at a time fits a session), each
+    # with the repeats it was measured with, and written as soon as a family is done.
+    path = args.out / "llm_families.json"
+    results = json.loads(path.read_text()) if path.exists() else {"machine": info, "families": {}}
     root = Path(tempfile.mkdtemp(prefix="ps-fam-models-"))
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
         for family in args.families:
             folder = root / family
             build(family).save_pretrained(folder)
-            results["families"][family] = measure(args, family, folder)
+            rows = measure(args, family, folder)
+            for row in rows.values():
+                row["repeats"] = args.repeats
+            results["families"].setdefault(family, {}).update(rows)
+            path.write_text(json.dumps(results, indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "llm_families.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -192,16 +192,42 @@ def families_section(fam: dict) -> list[str]:
              "after the model load (fingerprints, lookup, KV and state load, forward); **floor** is one forward over the "
              "uncached tokens on the document's KV already in memory, same run; **miss + store** is the document "
              "through a new PrefixCache on an empty store against its plain prefill (a state model runs in pieces). "
-             "The first token equals the full prefill's in every row. `python bench/llm_families.py`.", "",
+             "The first token equals the full prefill's in every row. Medians over the repeats shown. "
+             "`python bench/llm_families.py [--families F ...] [--lengths N ...] [--repeats R]` (runs add rows).", "",
              "| family | tokens | full prefill | miss + store vs plain | **first request, fresh process** | floor "
-             "| first request / floor | speed-up | max score diff |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for family, rows in fam["families"].items():
-        for row in rows.values():
+             "| first request / floor | speed-up | max score diff | repeats |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    order = ("llama", "mistral", "gemma2", "minicpm3", "qwen3_next")
+    for family, rows in sorted(fam["families"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
+        for row in sorted(rows.values(), key=lambda r: r["tokens"]):
             first = row["first request (fresh process, generate)"]
             lines.append(f"| {family} | {row['tokens']:,} | {row['full prefill']:.2f} s | "
                          f"{row['miss + store / document prefill']:.2f}x | **{first * 1000:.0f} ms** | "
                          f"{row['floor'] * 1000:.0f} ms | {row['first request / floor']:.2f}x | "
-                         f"{row['speed-up, first request']:.1f}x | {row['max |score diff| (in process)']:.1e} |")
+                         f"{row['speed-up, first request']:.1f}x | {row['max |score diff| (in process)']:.1e} | "
+                         f"{row.get('repeats', 3)} |")
+    return [*lines, ""]
+
+
+def llamacpp_section(llama: dict) -> list[str]:
+    """llama-cpp-python's prompt caches side by side: its LlamaDiskCache and promptstore's LlamaCppCache."""
+    lines = ["## llama.cpp: `LlamaCppCache` against llama-cpp-python's `LlamaDiskCache`", "",
+             f"llama-cpp-python {llama['version']}, SmolLM2-135M-Instruct's Q4_1 GGUF as it ships, 2 threads; the prompts "
+             "of the LLM table (a document plus a new question). Each cache is warmed by another process with the "
+             "document and one question; **first request** is a fresh process's first `create_completion` "
+             "(`max_tokens=1`, to the first token, model load not timed, opening the cache timed); **steady** is later "
+             "questions in that process, the context reset before each so that only the cache serves; **floor** is the "
+             "document already in the context (llama-cpp-python's own in-process reuse: only the question evaluated). "
+             "**Stored** is the warmed cache folder's size. Medians. `python bench/llama_cpp_bench.py`.", "",
+             "| prompt tokens | cold prompt | floor | LlamaDiskCache first / steady | stored | **LlamaCppCache first** "
+             "/ steady | stored | LlamaCppCache first / floor | vs cold |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for length, row in sorted(llama["rows"].items(), key=lambda kv: int(kv[0])):
+        d1, ds = row["disk cache, first request (fresh process)"], row["disk cache, steady state"]
+        p1, ps = row["promptstore, first request (fresh process)"], row["promptstore, steady state"]
+        lines.append(f"| {int(length):,} | {row['cold prompt'] * 1000:,.0f} ms | {row['floor'] * 1000:.0f} ms | "
+                     f"{d1 * 1000:.0f} / {ds * 1000:.0f} ms | {row['disk cache, stored bytes'] / 1e6:.0f} MB | "
+                     f"**{p1 * 1000:.0f}** / {ps * 1000:.0f} ms | {row['promptstore, stored bytes'] / 1e6:.0f} MB | "
+                     f"{p1 / row['floor']:.2f}x | {row['cold prompt'] / p1:.1f}x |")
     return [*lines, ""]
 
 
