@@ -6,8 +6,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.14.1 torchvision==0.29.1
+LLAMA_CPP := llama-cpp-python==0.3.36
+# llama-cpp-python is built from source (about 6 minutes on 2 cores) into a wheel once per machine
+# type (architecture and CPU flags: the build uses this CPU's instructions), kept outside the checkout,
+# so that later venvs, fresh clones and CI runs on this machine install it in seconds.
+WHEELS ?= $(HOME)/.cache/promptstore/wheels/$(shell (uname -m; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-long bench mutation clean redis-server
+.PHONY: demo test test-long bench mutation clean redis-server llamacpp-wheel
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +30,17 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# llama-cpp-python for LlamaCppCache's tests (the demo does not need it), from the wheel built once.
+$(VENV)/.llamacpp: $(VENV)/.installed
+	$(MAKE) --no-print-directory llamacpp-wheel
+	$(PIP) install --find-links $(WHEELS) "$(LLAMA_CPP)"
+	touch $@
+
+llamacpp-wheel: | $(PY)
+	@ls $(WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl >/dev/null 2>&1 || { \
+	  echo "building $(LLAMA_CPP) once into $(WHEELS) (about 6 minutes on 2 cores)"; \
+	  $(PIP) wheel --no-deps -w $(WHEELS) "$(LLAMA_CPP)"; }
+
 # The Redis tests start their own redis-server; install Debian's package when it is missing.
 redis-server:
 	@command -v redis-server >/dev/null || { \
@@ -33,11 +49,11 @@ redis-server:
 	  echo "redis-server is needed by the tests: install it (Debian/Ubuntu: apt-get install redis-server)"; exit 1; }
 
 # The type checker first (strict on the core, which ships py.typed), then the suite.
-test: $(VENV)/.installed redis-server
+test: $(VENV)/.installed $(VENV)/.llamacpp redis-server
 	$(PY) -m mypy
-	$(PY) -m pytest
+	PROMPTSTORE_REQUIRE_LLAMACPP=1 $(PY) -m pytest
 
-test-long: $(VENV)/.installed redis-server
+test-long: $(VENV)/.installed $(VENV)/.llamacpp redis-server
 	$(PY) -m pytest -m "slow or not slow"
 
 # Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.

@@ -1,0 +1,334 @@
+"""LlamaCppCache: llama-cpp-python's prompt cache (``Llama.set_cache``), backed by the store.
+
+llama-cpp-python asks its cache for the longest stored prefix of every prompt
+(``cache[prompt_tokens]``) and stores the context after every completion
+(``cache[prompt + completion] = llm.save_state()``). This cache keeps, per stored state:
+
+- the **state**: the sequence's KV as llama.cpp writes it (``llama_state_seq_get_data``, only
+  the cells the sequence uses), plus every prompt token's scores when the ``Llama`` keeps them
+  (``logits_all=True``: echo and logprobs read them). Not the context's whole ``scores`` array
+  that ``save_state`` copies (``n_batch`` x vocabulary floats, 100 MB for SmolLM2), nor its
+  output buffer: a restored prefix always evaluates at least one token before sampling;
+- its **head**: the state's token ids, small, so that a lookup knows how much a state serves
+  before reading it;
+- **pointers**, one per full block of the state's tokens, under the chained block keys of
+  ``PrefixCache``: block ``i``'s key names the first ``i`` blocks. A lookup walks the prompt's
+  blocks (one index lookup each, never a scan of the stored keys) to the deepest one that
+  has a pointer, and reads that state, which shares at least those blocks with the prompt.
+
+llama.cpp's state API restores whole sequences (its byte layout is internal and changes between
+versions), so a state serves a prompt from its start to where the two part: llama-cpp-python
+then trims the rest (``kv_cache_seq_rm``) and evaluates the prompt's remaining tokens. A new
+state that extends a stored one (the next turn of a chat) replaces it.
+
+A lookup restores the state into the ``Llama``'s context itself, as ``Llama.load_state`` would,
+and hands llama-cpp-python a ``LlamaState`` naming those tokens, so that it goes on from them;
+it never replaces a context that already holds as much of the prompt. A hit deletes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore, chain_keys, file_digest
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
+
+try:
+    import llama_cpp
+    from llama_cpp.llama_cache import BaseLlamaCache
+except ImportError as exc:  # pragma: no cover - the extra is missing
+    raise ImportError('LlamaCppCache needs llama-cpp-python: pip install "promptstore[llamacpp]"') from exc
+
+__all__ = ["LlamaCppCache", "KIND"]
+
+KIND = "llm.llamacpp"  # a state: the sequence's KV (and scores)
+HEAD_KIND = "llm.llamacpp.head"  # a state's token ids
+INDEX_KIND = "llm.llamacpp.index"  # block key -> the head of a state holding that block
+# Context settings that cannot change a token's KV or scores: sizes and threads, callbacks that only
+# abort or observe timing, where llama-cpp-python keeps its samplers. Every other field is in the key,
+# so a field a later llama.cpp adds is in the key until it is known to be harmless.
+_CONTEXT_IGNORED = frozenset({"n_ctx", "n_threads", "n_threads_batch", "abort_callback", "abort_callback_data",
+                              "no_perf", "defrag_thold", "samplers", "n_samplers", "cb_eval_user_data"})
+_MODEL_IGNORED = frozenset({"progress_callback", "progress_callback_user_data", "use_mmap", "use_mlock",
+                            "use_direct_io", "check_tensors", "kv_overrides", "tensor_split"})
+
+
+def _plain(value: Any) -> str:
+    """A ctypes field as text: numbers as they are, pointers as whether they are set."""
+    if isinstance(value, (bool, int, float, bytes, str)):
+        return repr(value)
+    return f"set:{bool(value)}"
+
+
+def _settings(struct: Any, ignored: frozenset[str]) -> str:
+    return ",".join(f"{name}={_plain(getattr(struct, name))}" for name, *_ in struct._fields_ if name not in ignored)
+
+
+def _file_identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class LlamaCppCache(BaseLlamaCache):
+    """A prompt cache for a ``llama_cpp.Llama``, shared through a :class:`~promptstore.PromptStore`.
+
+    ``llm.set_cache(LlamaCppCache(llm, store))`` is the whole integration: every
+    ``create_completion``, ``create_chat_completion`` and ``__call__`` then starts from the
+    longest prefix any process sharing the store has computed with the same model and settings.
+
+    Entries are bound to everything that changes the KV: the GGUF file's digest (read once per
+    file version, see :func:`promptstore.file_digest`), the llama.cpp library (its file and
+    version, and the CPU features it uses), every context setting but sizes and threads (KV
+    types, RoPE and YaRN settings, flash attention, batch sizes, embeddings...), the model
+    settings (GPU layers, split, metadata overrides) and LoRA files with their scale. Another
+    model or setting finds nothing. Adapters or control vectors applied afterwards through
+    llama.cpp's C API are not seen: apply them before building the cache, through ``Llama``'s
+    arguments.
+
+    A lookup restores the state into ``llm``'s context (what ``Llama.load_state`` does) when it
+    serves more of the prompt than the context holds. A broken entry or tier is a warned miss;
+    nothing here raises into a completion, and nothing prints.
+
+    Args:
+        llm: the ``llama_cpp.Llama`` whose prompts are cached.
+        store: where entries live (default: ``PromptStore()``, the disk folder).
+        block_tokens: tokens per block of the index (a state is found from any prompt that
+            shares at least one full block with it).
+
+    Raises:
+        InvalidInputError: ``llm`` is not a ``llama_cpp.Llama``, or a bad ``block_tokens``.
+        UnsupportedModelError: a recurrent or hybrid model (Mamba, RWKV, Jamba...), whose
+            state cannot be trimmed to a shorter prefix, or an evaluation callback (``cb_eval``)
+            that may change what the model computes.
+    """
+
+    def __init__(self, llm: Any, store: PromptStore | None = None, block_tokens: int = 64) -> None:
+        if not isinstance(llm, llama_cpp.Llama):
+            raise InvalidInputError(f"LlamaCppCache needs a llama_cpp.Llama, got {type(llm).__name__}")
+        if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
+            raise InvalidInputError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False):
+            raise UnsupportedModelError(
+                "LlamaCppCache: a recurrent or hybrid model keeps a running state that llama.cpp cannot trim to a "
+                "shorter prefix, so a stored state would serve only prompts that extend it exactly; not served")
+        if llm.context_params.cb_eval:
+            raise UnsupportedModelError("LlamaCppCache: the context has an evaluation callback (cb_eval), which may "
+                                        "change what the model computes; not served")
+        super().__init__(capacity_bytes=0)
+        self.llm = llm
+        self.store = store if store is not None else PromptStore()
+        self.block_tokens = block_tokens
+        self._model_file = _file_identity(llm.model_path)
+        self._root = self.store.key(KIND, b"", fingerprints=self._fingerprints())
+        self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0}
+
+    # -- identity -------------------------------------------------------------------------
+    def _fingerprints(self) -> list[str]:
+        llm = self.llm
+        lib = getattr(getattr(llama_cpp.llama_cpp, "_lib", None), "_name", None)
+        loras = [f"lora:{file_digest(llm.lora_path)}:{llm.lora_scale!r}"] if llm.lora_path else []
+        return [f"gguf:{file_digest(llm.model_path)}", f"llama_cpp:{llama_cpp.__version__}",
+                f"lib:{file_digest(lib) if lib and os.path.exists(lib) else 'unknown'}",
+                f"system:{llama_cpp.llama_print_system_info().decode(errors='replace')}",
+                f"context:{_settings(llm.context_params, _CONTEXT_IGNORED)}",
+                f"model:{_settings(llm.model_params, _MODEL_IGNORED)}",
+                f"overrides:{sorted((llm.kv_overrides or {}).items())!r}",
+                f"split:{list(llm.tensor_split or [])!r}", *loras]
+
+    def _usable(self) -> bool:
+        """Whether the model file is still the one loaded (a replaced GGUF must not key old weights)."""
+        if _file_identity(self.llm.model_path) == self._model_file:
+            return True
+        warnings.warn(f"promptstore: {self.llm.model_path} changed since LlamaCppCache was built; "
+                      "the cache is not used until it is built again", PromptStoreWarning, stacklevel=3)
+        return False
+
+    def _head_key(self, tokens: np.ndarray) -> bytes:
+        return self.store.key(HEAD_KIND, tokens.astype("<i4").tobytes(), fingerprints=[self._root.hex()])
+
+    def _state_key(self, head: bytes) -> bytes:
+        return self.store.key(KIND, b"", fingerprints=[head.hex()])
+
+    # -- lookup ---------------------------------------------------------------------------
+    def _tokens(self, key: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(key if not isinstance(key, np.ndarray) else key, dtype=np.int64)
+        if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.llm.n_vocab())):
+            raise KeyError("not token ids of this model")
+        return ids.astype(np.intc)
+
+    def _pointer(self, key: bytes) -> bytes | None:
+        entry = self.store.get(key, kind=INDEX_KIND)
+        return None if entry is None else entry.tensors["head"].tobytes()
+
+    def _find(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray, int] | None:
+        """The stored state sharing the most tokens with ``tokens``: (head key, its tokens, shared)."""
+        keys = chain_keys(self._root, tokens, self.block_tokens)
+        # Every block of a stored state has a pointer, so the blocks with one form a prefix of the
+        # prompt's: a binary search finds its end in log2(blocks) lookups, not one per block.
+        lo, hi = 0, len(keys)  # keys[:lo] have pointers (as far as is known), keys[hi:] none
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._pointer(keys[mid]) is not None:
+                lo = mid + 1
+            else:
+                hi = mid
+        tried: set[bytes] = set()
+        for key in reversed(keys[:lo]):  # deepest first; an evicted state falls back to a shallower one
+            head_key = self._pointer(key)
+            if head_key is None or head_key in tried:
+                continue
+            tried.add(head_key)
+            head = self.store.get(head_key, kind=HEAD_KIND)
+            if head is None or self._state_key(head_key) not in self.store:
+                continue  # gone, or its state evicted
+            stored = head.tensors["tokens"]
+            n = min(len(stored), len(tokens))
+            parted = np.flatnonzero(stored[:n] != tokens[:n])
+            shared = int(parted[0]) if parted.size else n
+            if shared:
+                return head_key, stored, shared
+        return None
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        try:
+            return self._usable() and self._find(self._tokens(key)) is not None
+        except KeyError:
+            return False
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
+            self._warn("lookup", exc)
+            return False
+
+    def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
+        """Restore the longest stored prefix of ``key`` into the context; KeyError if none serves more.
+
+        Returns a ``LlamaState`` naming the restored tokens (its KV is already in the context,
+        so ``Llama.load_state`` has nothing left to do and llama-cpp-python does not call it).
+        """
+        self.stats["lookups"] += 1
+        try:
+            tokens = self._tokens(key)
+            restored, shared = self._restore(tokens)
+        except KeyError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._warn("lookup", exc)
+            raise KeyError("promptstore: lookup failed") from None
+        self.stats["hits"] += 1
+        # What llama-cpp-python keeps of it: the shared tokens, but for one it evaluates again when the
+        # state holds the whole prompt (it needs the last token's scores).
+        self.stats["served"] += min(shared, len(tokens) - 1)
+        llm = self.llm
+        return llama_cpp.llama.LlamaState(input_ids=restored.copy(), scores=np.empty((0, llm.n_vocab()), np.single),
+                                          n_tokens=len(restored), llama_state=b"", llama_state_size=0, seed=llm._seed)
+
+    def _restore(self, tokens: np.ndarray) -> tuple[np.ndarray, int]:
+        """Restore the stored state sharing the most with ``tokens``: (its tokens, how many it shares)."""
+        llm = self.llm
+        if not self._usable():
+            raise KeyError("model file changed")
+        found = self._find(tokens)
+        if found is None:
+            raise KeyError("no stored prefix")
+        head_key, stored, shared = found
+        held = llm.input_ids[: llm.n_tokens]
+        n = min(len(held), len(tokens))
+        parted = np.flatnonzero(held[:n] != tokens[:n])
+        in_context = int(parted[0]) if parted.size else n
+        if shared <= in_context or len(stored) > llm.n_ctx():
+            raise KeyError("the context holds as much")  # keep what the context has: nothing to read
+        entry = self.store.get(self._state_key(head_key), kind=KIND)
+        if entry is None or entry.tensors.get("state") is None:
+            raise KeyError("state evicted")
+        scores = entry.tensors.get("scores")
+        if llm._logits_all and (scores is None or scores.shape != (len(stored), llm.n_vocab())):
+            raise KeyError("stored without the scores this Llama keeps")
+        state = np.ascontiguousarray(entry.tensors["state"], dtype=np.uint8)
+        ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        # From here the context changes: mark it empty first, so that a failed restore leaves
+        # llama-cpp-python evaluating the whole prompt, never reusing half a state.
+        llm.n_tokens = 0
+        llm._requires_eval = True
+        if llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, ptr, state.nbytes, 0) != state.nbytes:
+            mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
+            if mem is not None:
+                llama_cpp.llama_memory_clear(mem, True)
+            raise KeyError("llama.cpp refused the stored state")
+        llm.input_ids[: len(stored)] = stored
+        if scores is not None and llm._logits_all:
+            llm.scores[: len(stored), :] = scores
+        llm.n_tokens = len(stored)
+        return stored, shared
+
+    # -- storing --------------------------------------------------------------------------
+    def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
+        """Store the context's state (``value`` is what ``llm.save_state()`` just returned)."""
+        try:
+            self._store(value)
+        except Exception as exc:  # noqa: BLE001
+            self._warn("store", exc)
+
+    def _store(self, value: Any) -> None:
+        llm = self.llm
+        n = int(value.n_tokens)
+        tokens = np.asarray(value.input_ids[:n], dtype=np.intc)
+        if n < self.block_tokens or not self._usable():
+            return  # too short to index: no block key would ever find it
+        if llm.n_tokens != n or not np.array_equal(llm.input_ids[:n], tokens):
+            # Only the live context's own state can be read per sequence.
+            warnings.warn("promptstore: LlamaCppCache stores the context's current state; this LlamaState is not "
+                          "it, so nothing was stored", PromptStoreWarning, stacklevel=3)
+            return
+        head_key = self._head_key(tokens)
+        if self._state_key(head_key) in self.store:
+            return  # stored already (a head whose state was evicted is stored again)
+        found = self._find(tokens)
+        ctx = llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        state = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
+        if written != size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+        tensors = {"state": state}
+        if llm._logits_all:
+            tensors["scores"] = np.ascontiguousarray(llm.scores[:n], dtype=np.single)
+        cost = n / self._prefill_rate()
+        if not self.store.put(head_key, {"tokens": tokens}, kind=HEAD_KIND, cost_s=cost):
+            return
+        if not self.store.put(self._state_key(head_key), tensors, kind=KIND, cost_s=cost, parent=head_key):
+            self.store.delete(head_key)
+            return
+        self.stats["stored"] += 1
+        # A new state that extends a stored one serves every prompt the old one did: it replaces it.
+        replaced = found[0] if found is not None and found[2] == len(found[1]) < n else None
+        # Point every block of the new state at it, deepest first, down to a pointer that names
+        # another live state (the blocks above it were pointed at when that state was stored).
+        pointer = {"head": np.frombuffer(head_key, dtype=np.uint8)}
+        for key in reversed(chain_keys(self._root, tokens, self.block_tokens)):
+            named = self._pointer(key)
+            if named is not None and named != replaced and self._state_key(named) in self.store:
+                break
+            self.store.put(key, pointer, kind=INDEX_KIND, cost_s=cost)
+        if replaced is not None:
+            self.store.delete(replaced)  # its state goes with it (chained)
+
+    def _prefill_rate(self) -> float:
+        """Prompt tokens per second llama.cpp has measured in this context (what a state saves)."""
+        perf = llama_cpp.llama_perf_context(self.llm._ctx.ctx)
+        return perf.n_p_eval / (perf.t_p_eval_ms / 1000) if perf.n_p_eval and perf.t_p_eval_ms > 0 else 1000.0
+
+    # -- BaseLlamaCache ---------------------------------------------------------------------
+    @property
+    def cache_size(self) -> int:
+        """Bytes of stored states in this store's namespace."""
+        return sum(i.size for i in self.store.ls(kind=KIND))
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        warnings.warn(f"promptstore: LlamaCppCache {what} failed ({type(exc).__name__}: {exc}); treated as a miss",
+                      PromptStoreWarning, stacklevel=3)
+
