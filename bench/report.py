@@ -71,6 +71,44 @@ def ttft_plot(llm: dict, llama: dict | None, path: Path = PLOTS / "llm_ttft.png"
     return "bench/plots/llm_ttft.png"
 
 
+PHASE_COLOURS = {"identity": "tab:purple", "buffers": "tab:red", "KV load": "tab:orange", "lookup": "tab:olive",
+                 "forward": "tab:blue", "storing": "tab:green", "other": "tab:gray"}
+
+
+def phases_plot(after: dict, before: dict | None, call: str = "generate",
+                path: Path = PLOTS / "llm_ttft_phases.png") -> str:
+    """Where the first request of a fresh process spends its time, per length: one stacked bar per run
+    (``before`` beside ``after`` when given), the floor (one forward over the uncached tokens) marked."""
+    runs = [("before", before), ("after", after)] if before else [("", after)]
+    lengths = sorted({int(k) for _, r in runs for k in r["results"]})
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    width = 0.8 / len(runs)
+    for j, (label, run) in enumerate(runs):
+        for i, n in enumerate(lengths):
+            row = run["results"].get(str(n))
+            if row is None or f"phases, first ({call})" not in row:
+                continue
+            x, bottom = i + (j - (len(runs) - 1) / 2) * width, 0.0
+            for name, seconds in row[f"phases, first ({call})"].items():
+                ms = max(seconds, 0.0) * 1000
+                ax.bar(x, ms, width * 0.9, bottom=bottom, color=PHASE_COLOURS[name],
+                       label=name if (i, j) == (0, len(runs) - 1) else None)
+                bottom += ms
+            ax.hlines(row["floor"] * 1000, x - width / 2, x + width / 2, colors="black", linestyles="--",
+                      label="floor: one forward over the uncached tokens" if (i, j) == (0, len(runs) - 1) else None)
+            if label:
+                ax.text(x, bottom, label, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{n:,} tokens" for n in lengths])
+    ax.set_ylabel("first request of a fresh process (ms)")
+    ax.set_title(f"SmolLM2-135M, 2 CPU cores: where a fresh process's first `{call}` hit spends its time")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"bench/plots/{path.name}"
+
+
 CHUNK_RUNS = ("chunk_quality_8x256.json", "chunk_quality_4x128.json", "chunk_quality_2x512.json")
 
 
@@ -210,24 +248,32 @@ def families_section(fam: dict) -> list[str]:
 
 
 def llamacpp_section(llama: dict) -> list[str]:
-    """llama-cpp-python's prompt caches side by side: its LlamaDiskCache and promptstore's LlamaCppCache."""
-    lines = ["## llama.cpp: `LlamaCppCache` against llama-cpp-python's `LlamaDiskCache`", "",
+    """llama-cpp-python's prompt caches side by side: its RAM and disk caches and promptstore's LlamaCppCache."""
+    lines = ["## llama.cpp: `LlamaCppCache` against llama-cpp-python's own caches", "",
              f"llama-cpp-python {llama['version']}, SmolLM2-135M-Instruct's Q4_1 GGUF as it ships, 2 threads; the prompts "
              "of the LLM table (a document plus a new question). Each cache is warmed by another process with the "
              "document and one question; **first request** is a fresh process's first `create_completion` "
-             "(`max_tokens=1`, to the first token, model load not timed, opening the cache timed); **steady** is later "
-             "questions in that process, the context reset before each so that only the cache serves; **floor** is the "
-             "document already in the context (llama-cpp-python's own in-process reuse: only the question evaluated). "
-             "**Stored** is the warmed cache folder's size. Medians. `python bench/llama_cpp_bench.py`.", "",
-             "| prompt tokens | cold prompt | floor | LlamaDiskCache first / steady | stored | **LlamaCppCache first** "
-             "/ steady | stored | LlamaCppCache first / floor | vs cold |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(`max_tokens=1`, to the first token; model load not timed, opening the cache timed); **steady** is later "
+             "questions in that process, the context reset before each so that only the cache serves. `LlamaRAMCache` "
+             "lives in one process, so it has a steady state only (warmed in that process). **Floor**: what a hit serves "
+             "already in the context, only the rest evaluated (llama-cpp-python's own in-process reuse). **Stored**: "
+             "the warmed disk folder's bytes (one state). LlamaCppCache on Redis: a store of memory and a real "
+             "redis-server on loopback only, no folder. Greedy output through LlamaCppCache equals a full evaluation's "
+             "(tests/test_llamacpp.py). Medians. `python bench/llama_cpp_bench.py`.", "",
+             "| prompt tokens | cold prompt | floor | RAM cache steady | LlamaDiskCache first / steady | stored "
+             "| **LlamaCppCache (disk) first** / steady | stored | LlamaCppCache (Redis) first / steady "
+             "| first / floor | first vs LlamaDiskCache's | bytes vs LlamaDiskCache's |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for length, row in sorted(llama["rows"].items(), key=lambda kv: int(kv[0])):
         d1, ds = row["disk cache, first request (fresh process)"], row["disk cache, steady state"]
         p1, ps = row["promptstore, first request (fresh process)"], row["promptstore, steady state"]
+        r1, rs = row["promptstore (redis), first request (fresh process)"], row["promptstore (redis), steady state"]
+        db, pb = row["disk cache, stored bytes"], row["promptstore, stored bytes"]
         lines.append(f"| {int(length):,} | {row['cold prompt'] * 1000:,.0f} ms | {row['floor'] * 1000:.0f} ms | "
-                     f"{d1 * 1000:.0f} / {ds * 1000:.0f} ms | {row['disk cache, stored bytes'] / 1e6:.0f} MB | "
-                     f"**{p1 * 1000:.0f}** / {ps * 1000:.0f} ms | {row['promptstore, stored bytes'] / 1e6:.0f} MB | "
-                     f"{p1 / row['floor']:.2f}x | {row['cold prompt'] / p1:.1f}x |")
+                     f"{row['ram cache, steady state (in process)'] * 1000:.0f} ms | {d1 * 1000:.0f} / {ds * 1000:.0f} ms | "
+                     f"{db / 1e6:.0f} MB | **{p1 * 1000:.0f}** / {ps * 1000:.0f} ms | {pb / 1e6:.0f} MB | "
+                     f"{r1 * 1000:.0f} / {rs * 1000:.0f} ms | {p1 / row['floor']:.2f}x | {d1 / p1:.1f}x faster | "
+                     f"{pb / db:.2f}x |")
     return [*lines, ""]
 
 
