@@ -55,6 +55,8 @@ QUESTIONS = ["Where are forklifts parked?", "Where do heavy pallets go, and whic
              "What happens to forklifts overnight?", "Which aisle takes heavy pallets?",
              "Where are the safety data sheets?", "Which docks unload trucks?", "Where do orders leave from?"]
 WARM_QUESTION = "Summarise the manual in one sentence."
+# Where a request's time goes, in the order a request runs them (see child's Timed).
+PHASES = ("identity", "buffers", "KV load", "lookup", "forward", "storing")
 
 
 def prompt_ids(tokenizer, length: int, question: str) -> tuple[list[int], int]:
@@ -76,29 +78,67 @@ def child(args: argparse.Namespace) -> None:
     from promptstore import PromptStore
     from promptstore.llm import PrefixCache, load_model
 
+    phases: dict[str, float] = {}
+    stack: list[list] = []
+
+    def timed(name: str, fn):
+        """``fn``, its seconds added to ``phases[name]``, less the time of timed calls inside it."""
+
+        def wrapper(*a, **k):
+            stack.append([0.0])
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent = time.perf_counter() - t0
+                inner = stack.pop()[0]
+                phases[name] = phases.get(name, 0.0) + spent - inner
+                if stack:
+                    stack[-1][0] += spent
+        return wrapper
+
     class Timed(PrefixCache):
-        """Records, per request, the seconds spent reading KV blocks and the tokens served (for GB/s)."""
+        """Records, per request, the seconds spent reading KV blocks and the tokens served (for GB/s),
+        and where the request's time goes (``phases``)."""
 
         loads: list[tuple[float, int]] = []
         reading = 0.0
 
         def _lookup(self, ids):
             self.reading = 0.0
-            out = super()._lookup(ids)
+            out = timed("lookup", super()._lookup)(ids)
             self.loads.append((self.reading, out[1]))
             return out
 
         def _read_blocks(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return super()._read_blocks(*args, **kwargs)
+                return timed("KV load", super()._read_blocks)(*args, **kwargs)
             finally:
                 self.reading += time.perf_counter() - t0
 
-    import resource
+        def _refresh_layout(self):
+            return timed("identity", super()._refresh_layout)()
+
+        def _root_key(self):
+            return timed("identity", super()._root_key)()
+
+        def _allocate(self, capacity):
+            return timed("buffers", super()._allocate)(capacity)
+
+        def _store_blocks(self, *args, **kwargs):
+            return timed("storing", super()._store_blocks)(*args, **kwargs)
+
+        def _run(self, *args, **kwargs):
+            return timed("forward", super()._run)(*args, **kwargs)
 
     model, tok = load_model()
-    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # model.generate is not wrapped: a patched model is another live identity (its keys would differ from
+    # the warming process's), so a request's forward is what the timed phases leave.
+    # The peak since here (Linux: writing 5 to clear_refs resets VmHWM to the current RSS), so that
+    # the model's own loading peak does not hide the request's.
+    Path("/proc/self/clear_refs").write_text("5")
+    loaded_rss = _status_kib("VmRSS") * 1024
     qs = questions(args)
     order = [qs[args.index]] + [q for q in qs[args.repeats :]]  # this repeat's first question, then steady ones
     prompts = [prompt_ids(tok, args.length, q)[0] for q in order]
@@ -123,15 +163,25 @@ def child(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
             logits.append(scores.tolist())
         if i == 0:
-            first_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            first_rss = _status_kib("VmHWM") * 1024
             served = pc.stats["last"]["served"]
+            first_phases = dict(phases)
+            first_phases["forward"] = first_phases.get("forward", 0.0) + times[0] - sum(phases.values())
     layers, heads, k_dim, v_dim, _ = pc._get_layout()
     per_token = layers * heads * (k_dim + v_dim) * 4
     store.close()
     print(json.dumps({"first": times[0], "steady": times[1:], "questions": order, "logits": logits,
                       "served": pc.stats["last"]["served"], "computed": pc.stats["last"]["computed"],
                       "loads": [(s, n * per_token) for s, n in pc.loads],
-                      "peak growth": first_rss - loaded_rss, "kv bytes": served * per_token}))
+                      "peak growth": first_rss - loaded_rss, "kv bytes": served * per_token,
+                      "phases": first_phases}))
+
+
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status, in KiB (VmRSS: resident now, VmHWM: the peak)."""
+    import re
+
+    return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
 def run_child(args: argparse.Namespace, folder: Path, length: int, index: int = 0, warm: bool = False,
@@ -201,7 +251,7 @@ def main() -> None:
         warm = Path(tempfile.mkdtemp(prefix="ps-llm-warm-"))
         run_child(args, warm, length, warm=True)
         for call in ("generate", "prefill"):
-            first, steady, loads_first, loads_steady, diffs, growth = [], [], [], [], [], []
+            first, steady, loads_first, loads_steady, diffs, growth, phases = [], [], [], [], [], [], []
             for r in range(args.repeats):
                 folder = Path(tempfile.mkdtemp(prefix="ps-llm-")) / "store"
                 try:
@@ -214,6 +264,7 @@ def main() -> None:
                 loads_first.append(res["loads"][0])
                 loads_steady.extend(res["loads"][1:])
                 growth.append((res["peak growth"], res["kv bytes"]))
+                phases.append(res["phases"])
                 for q, got in zip(res["questions"], res["logits"], strict=True):
                     if call == "generate":
                         assert got == int(refs[q].argmax()), (length, q, "first token differs from a full prefill's")
@@ -225,6 +276,9 @@ def main() -> None:
             row[f"kv load GB/s, first ({call})"] = statistics.median(b / s / 1e9 for s, b in loads_first)
             row[f"kv load GB/s, steady ({call})"] = statistics.median(b / s / 1e9 for s, b in loads_steady)
             row[f"peak RSS growth / KV bytes ({call})"] = statistics.median(g / max(b, 1) for g, b in growth)
+            # Where the first request's time went: each phase's median over the fresh processes.
+            row[f"phases, first ({call})"] = {name: statistics.median(p.get(name, 0.0) for p in phases)
+                                              for name in PHASES}
             if diffs:
                 row["max |score diff|"] = max(diffs)
         shutil.rmtree(warm, ignore_errors=True)
@@ -233,8 +287,12 @@ def main() -> None:
         # after each question instead of copied.
         served = row["served"]
         ids, _ = prompt_ids(tok, length, qs[0])
-        with torch.no_grad():
-            model(torch.tensor([ids[n_doc:served]]), use_cache=True, logits_to_keep=1, **{arg: base_cache})
+        print(f"  {length:>5} tokens: a hit served {served} (document {n_doc})", flush=True)
+        if served > n_doc:
+            with torch.no_grad():
+                model(torch.tensor([ids[n_doc:served]]), use_cache=True, logits_to_keep=1, **{arg: base_cache})
+        elif served < n_doc:
+            base_cache.crop(served)
         floor = []
         for q in qs:
             ids, _ = prompt_ids(tok, length, q)

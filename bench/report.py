@@ -72,7 +72,7 @@ def ttft_plot(llm: dict, llama: dict | None, path: Path = PLOTS / "llm_ttft.png"
 
 
 PHASE_COLOURS = {"identity": "tab:purple", "buffers": "tab:red", "KV load": "tab:orange", "lookup": "tab:olive",
-                 "forward": "tab:blue", "storing": "tab:green", "other": "tab:gray"}
+                 "forward": "tab:blue", "storing": "tab:green"}
 
 
 def phases_plot(after: dict, before: dict | None, call: str = "generate",
