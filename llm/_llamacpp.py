@@ -157,7 +157,7 @@ class LlamaCppCache(BaseLlamaCache):
 
     # -- lookup ---------------------------------------------------------------------------
     def _tokens(self, key: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(key if not isinstance(key, np.ndarray) else key, dtype=np.int64)
+        ids = np.asarray(key, dtype=np.int64)
         if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= self.llm.n_vocab())):
             raise KeyError("not token ids of this model")
         return ids.astype(np.intc)

@@ -239,9 +239,11 @@ def test_another_model_or_setting_gets_no_hits(tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
-    # f32 keys and values (the default is f16), another micro-batch, another RoPE base, another model.
+    # f32 keys and values (the default is f16), another micro-batch, another RoPE base, another model, and
+    # the same RoPE base set through the model's metadata instead.
     for build in (lambda: make_llm(type_k=0, type_v=0), lambda: make_llm(n_ubatch=128),
-                  lambda: make_llm(rope_freq_base=20000.0), lambda: make_llm(str(other))):
+                  lambda: make_llm(rope_freq_base=20000.0), lambda: make_llm(str(other)),
+                  lambda: make_llm(kv_overrides={"llama.rope.freq_base": 20000.0})):  # a GGUF metadata override
         other_llm = build()
         cache = LlamaCppCache(other_llm, store)
         assert tokens(DOC + QUESTIONS[0]) not in cache
