@@ -8,15 +8,19 @@ place (``context_length``, ``clean_fn``, ``strip_sep_token``, ``reduction_mask``
 A Rust ``tokenizers.Tokenizer`` (``backend_tokenizer``) is read through its parts: normaliser,
 pre-tokeniser, post-processor, decoder, added tokens, truncation and padding, the model's
 type and settings (BPE dropout included) are read every call (microseconds). The model's
-vocabulary and merges cost ~20 ms to serialise (SmolLM2's 49k BPE), so their digest is
-remembered per backend object. What the Python API can change in place without replacing the
-model is all in the parts read every call; a replaced model is caught by its vocabulary size
-and by the tokens a fixed probe text and 32 sampled ids give. Out of contract: replacing the
-model by one of the same type, settings and size that agrees on that probe.
+vocabulary and merges cost ~20-35 ms to serialise (SmolLM2's 49k BPE), so their digest is
+remembered per backend object, and, for the backend of a transformers tokenizer loaded from a
+local folder, between processes too: under the digests of that folder's tokenizer files, the
+tokenizer's class, its init arguments and the library versions (a fresh process then serialises
+nothing). What the Python API can change in place without replacing the model is all in the
+parts read every call; a replaced model (or backend) is caught by its vocabulary size and by the
+tokens a fixed probe text and 32 sampled ids give. Out of contract: replacing the model or the
+backend by one of the same type, settings and size that agrees on that probe.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -24,7 +28,7 @@ import xxhash
 
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["describe_backend", "TOKENIZER_IGNORED"]
+__all__ = ["describe_backend", "tokenizer_origin", "TOKENIZER_IGNORED"]
 
 # Fields that record where a tokenizer came from or what it has done, not what it computes.
 TOKENIZER_IGNORED = frozenset({"name_or_path", "init_kwargs", "init_inputs", "files_loaded", "deprecation_warnings",
@@ -53,13 +57,55 @@ def _model_stamp(model: Any, backend: Any) -> str:
     return repr([type(model).__name__, settings, size, probe, sample])
 
 
-def _model_digest(backend: Any, stamp: str) -> str:
+# Besides vocab_files_names: what from_pretrained reads from a tokenizer folder.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def tokenizer_origin(owner: Any) -> str | None:
+    """What a transformers tokenizer's backend was built from: its folder's tokenizer files (by
+    digest), its class, its init arguments and the library versions; None when not from a local folder."""
+    folder = getattr(owner, "name_or_path", None)
+    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
+        return None
+    from promptstore import file_digest
+
+    names = sorted({*_TOKENIZER_FILES, *(n for n in getattr(type(owner), "vocab_files_names", {}).values()
+                                        if isinstance(n, str))})
+    files = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            try:
+                files.append((name, file_digest(path)))
+            except OSError:
+                return None
+    if not files:
+        return None
+    import tokenizers
+    import transformers
+
+    kwargs = getattr(owner, "init_kwargs", None)
+    return repr([f"tokenizers={tokenizers.__version__}", f"transformers={transformers.__version__}",
+                 f"{type(owner).__module__}.{type(owner).__qualname__}", files,
+                 sorted((str(k), repr(v)) for k, v in kwargs.items()) if isinstance(kwargs, dict) else None])
+
+
+def _model_digest(backend: Any, stamp: str, origin: str | None) -> str:
     key = id(backend)
     with _MEMO_LOCK:
         hit = _MEMO.get(key)
         if hit is not None and hit[0] is backend and hit[1] == stamp:
             return hit[2]
-    digest = xxhash.xxh3_128_hexdigest(_state(backend.model).encode("utf-8", "surrogateescape"))
+
+    def serialised() -> str:
+        return xxhash.xxh3_128_hexdigest(_state(backend.model).encode("utf-8", "surrogateescape"))
+
+    if origin is None:
+        digest = serialised()
+    else:
+        from promptstore import derived_digest
+
+        digest = derived_digest(f"tokenizers-model\0{origin}\0{stamp}", serialised)
     with _MEMO_LOCK:
         if len(_MEMO) > 256:
             _MEMO.clear()
@@ -67,11 +113,12 @@ def _model_digest(backend: Any, stamp: str) -> str:
     return digest
 
 
-def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False) -> None:
+def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False, origin: str | None = None) -> None:
     """A ``tokenizers`` object: a whole Tokenizer by its parts, any other part by its serialised state.
 
     ``per_call``: the backend of a transformers fast tokenizer, which sets truncation, padding and
     special-token splitting before every encode; what they hold now is left out.
+    ``origin``: what that tokenizer was built from (:func:`tokenizer_origin`).
     """
     import tokenizers
 
@@ -86,7 +133,7 @@ def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False) -
         if not per_call:
             walk.emit(f"truncation:{v.truncation!r}:padding:{v.padding!r}:encode_special_tokens:"
                       f"{getattr(v, 'encode_special_tokens', None)!r}")
-        walk.emit(f"model:{stamp}:{_model_digest(v, stamp)}")
+        walk.emit(f"model:{stamp}:{_model_digest(v, stamp, origin)}")
         return
     # Every object has object.__getstate__ on Python 3.11+, which says nothing of a native one's
     # contents (tokenizers.Regex): only a class's own __getstate__ names its state.

@@ -284,6 +284,7 @@ class Walk:
         self.strings: set[str] = set()  # every string in the state (the keys registries are read with)
         self._registries: list[tuple[Any, str, int]] = []
         self._per_call: set[int] = set()  # ids of backends whose owner sets truncation and padding each call
+        self._origins: dict[int, str | None] = {}  # id(backend) -> what its owner was loaded from
         # Every read the description rests on, to re-check cheaply on the next call (Reads).
         self.reads = Reads()
 
@@ -400,10 +401,11 @@ class Walk:
 
             # Rust state, invisible to the reads: described again on every check, compared as text.
             per_call = id(v) in self._per_call
+            origin = self._origins.get(id(v))
             start = len(self.lines)
-            describe_backend(self, v, path, per_call=per_call)
+            describe_backend(self, v, path, per_call=per_call, origin=origin)
             text = tuple(self.lines[start:])
-            self.reads.calls.append((lambda b=v, p=path, c=per_call: _backend_text(b, p, c), text))
+            self.reads.calls.append((lambda b=v, p=path, c=per_call, o=origin: _backend_text(b, p, c, o), text))
         elif isinstance(v, (torch.Generator, random.Random)) or _numpy_random(v):
             raise Unidentifiable(path, "a random generator (its output is random)")
         else:
@@ -502,7 +504,10 @@ class Walk:
             if (config and k in CONFIG_PROVENANCE) or k in self.ignore:
                 continue
             if per_call_owner and k == "_tokenizer":
+                from ._tokenizers import tokenizer_origin
+
                 self._per_call.add(id(fields[k]))
+                self._origins[id(fields[k])] = tokenizer_origin(v)
             self.emit(f"field:{k}")
             self.value(fields[k], f"{path}.{k}", depth + 1)
         self.emit("}")
@@ -632,11 +637,11 @@ class Walk:
             self.emit(f"object:{type(v).__module__}.{type(v).__qualname__}")
 
 
-def _backend_text(backend: Any, path: str, per_call: bool) -> tuple[str, ...]:
+def _backend_text(backend: Any, path: str, per_call: bool, origin: str | None) -> tuple[str, ...]:
     from ._tokenizers import describe_backend
 
     walk = Walk(None)
-    describe_backend(walk, backend, path, per_call=per_call)
+    describe_backend(walk, backend, path, per_call=per_call, origin=origin)
     return tuple(walk.lines)
 
 

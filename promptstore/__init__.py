@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 from . import errors
-from ._digest import digest_memo_path, digest_tensors, file_digest
+from ._digest import derived_digest, digest_memo_path, digest_tensors, file_digest
 from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
@@ -37,6 +37,7 @@ __all__ = [
     "file_digest",
     "digest_tensors",
     "digest_memo_path",
+    "derived_digest",
     "errors",
     "__version__",
 ]

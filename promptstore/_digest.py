@@ -24,7 +24,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["file_digest", "digest_tensors", "digest_memo_path"]
+__all__ = ["file_digest", "digest_tensors", "digest_memo_path", "derived_digest"]
 
 # A file changed within this many seconds of its last stat may share its timestamps with the
 # content we hashed (timestamps are coarse): such digests are used but never remembered.
@@ -89,6 +89,7 @@ class _Memo:
                 db.execute("CREATE TABLE IF NOT EXISTS digests (dev INTEGER, ino INTEGER, size INTEGER, "
                            "mtime_ns INTEGER, ctime_ns INTEGER, offset INTEGER, length INTEGER, digest BLOB, "
                            "PRIMARY KEY (dev, ino, size, mtime_ns, ctime_ns, offset, length)) WITHOUT ROWID")
+                db.execute("CREATE TABLE IF NOT EXISTS derived (name BLOB PRIMARY KEY, digest TEXT) WITHOUT ROWID")
                 self._db = db
             except (sqlite3.Error, OSError):
                 self._broken = True
@@ -128,7 +129,40 @@ class _Memo:
                     pass
 
 
+    def derived(self, name: bytes, digest: str | None = None) -> str | None:
+        """The digest remembered under ``name`` (with ``digest``: remember it first)."""
+        with self._lock:
+            db = self._conn()
+            if db is None:
+                return digest
+            try:
+                if digest is not None:
+                    db.execute("INSERT OR REPLACE INTO derived VALUES (?, ?)", (name, digest))
+                    return digest
+                row = db.execute("SELECT digest FROM derived WHERE name=?", (name,)).fetchone()
+            except sqlite3.Error:
+                return digest
+            return row[0] if row is not None and isinstance(row[0], str) else None
+
+
 _memo = _Memo()
+
+
+def derived_digest(name: str, compute: Callable[[], str]) -> str:
+    """``compute()``, remembered between processes under ``name`` (in :func:`digest_memo_path`).
+
+    For a digest that is a pure function of files and versions but costly to derive (a Rust
+    tokenizer's serialised vocabulary): ``name`` must hold everything the result depends on,
+    the files by their :func:`file_digest`. Like file digests, the memo is a cache: when it
+    cannot be read or written, ``compute()`` runs.
+    """
+    key = xxhash.xxh3_128_digest(name.encode("utf-8", "surrogatepass"))
+    known = _memo.derived(key)
+    if known is not None:
+        return known
+    out = compute()
+    _memo.derived(key, out)
+    return out
 
 
 def _identity(st: os.stat_result) -> Identity:

@@ -650,6 +650,61 @@ def test_the_prefix_cache_fingerprint_follows_its_tokenizer(store):
     assert pc.fingerprint != before
 
 
+_FOLDER_IDENTITY = """
+import json, sys
+from transformers import AutoTokenizer
+from promptstore._live import _tokenizers, tokenizer_identity
+serialised = []
+state = _tokenizers._state
+_tokenizers._state = lambda part: (serialised.append(type(part).__name__), state(part))[1]
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+if len(sys.argv) > 2:  # an edit made after loading
+    exec(sys.argv[2])
+print(json.dumps({"identity": tokenizer_identity(tok), "serialised": serialised,
+                  "tokens": tok("abc dg gd", add_special_tokens=False)["input_ids"]}))
+"""
+
+
+def _folder_identity(folder, memo, edit=None):
+    import json
+
+    proc = run_python(_FOLDER_IDENTITY, str(folder), *([edit] if edit else []), env={"PROMPTSTORE_DIGESTS": memo})
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_tokenizer_from_a_folder_is_named_in_a_fresh_process_without_serialising_its_vocabulary(tmp_path):
+    """The backend's vocabulary digest is remembered between processes under the folder's files: a
+    fresh process serialises no model, and gets the identity a process without the memo computes;
+    another tokenizer.json, or an edit after loading, is another identity."""
+    from tokenizers import models
+
+    from promptstore._live._tokenizers import _PROBE
+
+    a, b, c = _PROBE[:3]
+    vocab = {a: 0, b: 1, c: 2, a + b: 3, b + c: 4, "d": 5, "g": 6, "dg": 7, "gd": 8, "[UNK]": 9}
+    folder, other = tmp_path / "tok", tmp_path / "other"
+    _fast_tokenizer(models.BPE(vocab, [(a, b), ("d", "g")], unk_token="[UNK]")).save_pretrained(folder)
+    # Other merges the fixed probe text never meets (no "d" or "g" in it): only the file tells them apart.
+    _fast_tokenizer(models.BPE(vocab, [(a, b), ("g", "d")], unk_token="[UNK]")).save_pretrained(other)
+    memo = str(tmp_path / "digests.sqlite3")
+    first = _folder_identity(folder, memo)
+    assert first["serialised"].count("BPE") == 1  # the first process serialises the vocabulary once
+    fresh = _folder_identity(folder, memo)
+    assert "BPE" not in fresh["serialised"], "a fresh process serialised the vocabulary although its files are known"
+    assert fresh["identity"] == first["identity"] == _folder_identity(folder, "")["identity"]
+    # The same folder, another tokenizer.json (other merges, same size, settings and probe tokens): another identity.
+    (folder / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    changed = _folder_identity(folder, memo)
+    assert "BPE" in changed["serialised"] and changed["tokens"] != first["tokens"]
+    assert changed["identity"] != first["identity"]
+    assert changed["identity"] == _folder_identity(folder, "")["identity"]
+    # Edits after loading are read on every call, memo or not: an added token, a model setting.
+    for edit in ("tok.add_tokens(['zz'])", "tok.backend_tokenizer.model.unk_token = 'd'"):
+        edited = _folder_identity(folder, memo, edit)
+        assert edited["identity"] != changed["identity"], edit
+        assert edited["identity"] == _folder_identity(folder, "", edit)["identity"], edit
+
+
 def test_a_tokenizer_identity_does_not_keep_the_tokenizer_alive():
     import gc
     import weakref
