@@ -34,7 +34,17 @@ from promptstore._live import autocast_active
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._admission import Layout, States, checked_layout, vocab_size
-from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, KVBuffers, copy_block, held_tokens, host_view, kv_layers, make_cache
+from ._buffers import (
+    CAPACITY_STEP,
+    RESERVE_TOKENS,
+    KVBuffers,
+    copy_block,
+    held_tokens,
+    host_view,
+    kv_layers,
+    make_cache,
+    warm_allocator,
+)
 from ._counts import Counts
 from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
@@ -117,6 +127,7 @@ class PrefixCache:
         self._layout: tuple[Any, tuple[Layout, States]] | None = None
         self._structure: tuple[str, list[tuple[str, Any]]] | None = None  # this request's live model structure
         self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
+        warm_allocator()
         self._total = Counts()
         self._last = Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
