@@ -75,14 +75,14 @@ PHASE_COLOURS = {"identity": "tab:purple", "buffers": "tab:red", "KV load": "tab
                  "forward": "tab:blue", "storing": "tab:green"}
 
 
-def phases_plot(after: dict, before: dict | None, call: str = "generate",
-                path: Path = PLOTS / "llm_ttft_phases.png") -> str:
+def phases_plot(runs: list[tuple[str, dict]], call: str = "generate", path: Path = PLOTS / "llm_ttft_phases.png") -> str:
     """Where the first request of a fresh process spends its time, per length: one stacked bar per run
-    (``before`` beside ``after`` when given), the floor (one forward over the uncached tokens) marked."""
-    runs = [("before", before), ("after", after)] if before else [("", after)]
+    (``runs``: (label, llm_ttft.json), oldest first, side by side), the floor (one forward over the uncached
+    tokens) marked on each."""
     lengths = sorted({int(k) for _, r in runs for k in r["results"]})
     fig, ax = plt.subplots(figsize=(8, 4.8))
     width = 0.8 / len(runs)
+    labelled = len(runs) > 1
     for j, (label, run) in enumerate(runs):
         for i, n in enumerate(lengths):
             row = run["results"].get(str(n))
@@ -96,8 +96,8 @@ def phases_plot(after: dict, before: dict | None, call: str = "generate",
                 bottom += ms
             ax.hlines(row["floor"] * 1000, x - width / 2, x + width / 2, colors="black", linestyles="--",
                       label="floor: one forward over the uncached tokens" if (i, j) == (0, len(runs) - 1) else None)
-            if label:
-                ax.text(x, bottom, label, ha="center", va="bottom", fontsize=7)
+            if labelled:
+                ax.text(x, bottom, label, ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(lengths)), [f"{n:,} tokens" for n in lengths])
     ax.set_ylabel("first request of a fresh process (ms)")
     ax.set_title(f"SmolLM2-135M, 2 CPU cores: where a fresh process's first `{call}` hit spends its time")
