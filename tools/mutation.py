@@ -114,7 +114,8 @@ GROUPS = [
                    "promptstore/_digest.py": ("digest_memo_path", "_Memo.get", "_Memo.put", "_identity", "file_digest",
                                               "_Pages.__init__", "_Pages._bad_pages", "_Pages.file_range", "_frame",
                                               "_raw", "_multipliers", "device_word_digest", "_device_sums",
-                                              "_hash_bytes", "digest_tensors", "_settled", "_still", "_framed"),
+                                              "_hash_bytes", "digest_tensors", "_settled", "_still", "_framed",
+                                              "_Memo.derived", "derived_digest"),
                    "promptstore/_codec.py": ("parse_header", "check_digest", "make_entry", "decode")},
           ("tests/test_keys.py", "tests/test_digest.py", "tests/test_codec.py", "tests/test_weight_edits.py"),
           sample=4),
@@ -132,7 +133,8 @@ GROUPS = [
             "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_kv", "_store_tail", "_state_key",
             "_state_point", "_store_state", "_run", "_miss_cache")),
         "promptstore/llm/_states.py": ("state_layers", "read_states", "state_signature", "states_fit", "restore_states"),
-        "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate"),
+        "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate",
+                                       "ChunkCache._query_ranking", "ChunkCache._repair", "_kl"),
         "promptstore/llm/_buffers.py": ("KVBuffers._allocate", "copy_block")},
           ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py", "tests/test_llm_states.py"),
           # SmolLM2 (real weights), the architecture zoo and the flash-kernel refusal take a minute
@@ -140,6 +142,15 @@ GROUPS = [
           select="(not across_architectures or stablelm) and not smol and not flash_style and not seed_example"
                  " and not current_tokenizers_return and not another_tokenizer_gets",
           sample=6),
+    # llama.cpp's prompt cache: what its keys hold, what a lookup finds and restores, what is stored.
+    Group("llamacpp", {"promptstore/llm/_llamacpp.py": (
+              "_plain", "_settings", "LlamaCppCache._fingerprints", "LlamaCppCache._usable", "LlamaCppCache._head_key",
+              "LlamaCppCache._state_key", "LlamaCppCache._tokens", "LlamaCppCache._pointer", "LlamaCppCache._find",
+              "LlamaCppCache.__contains__", "LlamaCppCache.__getitem__", "LlamaCppCache._restore",
+              "LlamaCppCache._store")},
+          ("tests/test_llamacpp.py",),
+          # Each test loads the real GGUF in llama.cpp (and some in child processes): a few seconds a mutant.
+          sample=4),
     # Vision reuse: class-prompt, zero-shot and OWL keys and what a hit returns.
     Group("vision", {
         "promptstore/vision/_classes.py": ("vocabulary_payload", "_names_from_payload", "npz_source", "_source_key",
