@@ -1,12 +1,17 @@
 """Passages anywhere (ChunkCache): quality against full prefill, and TTFT, per recompute setting.
 
-    python bench/chunk_quality.py [--prompts 100] [--passages 8] [--tokens 256] [--out bench/out]
+    python bench/chunk_quality.py [--set chat|plain] [--prompts 100] [--passages 8] [--tokens 256] [--out bench/out]
 
-SmolLM2-135M-Instruct (fp32, real weights), RAG prompts of real English text: a system line
-(the anchor), k passages drawn from the READMEs and licenses that ship inside installed
-packages and from long Python standard-library docstrings, in a new random order per prompt,
-and one of four kinds of question. Every passage's KV is stored once beforehand (each after
-the anchor, in another process's order), so every request below is a warm one.
+SmolLM2-135M-Instruct (fp32, real weights), RAG prompts of real English text: k passages drawn
+from the READMEs and licenses that ship inside installed packages and from long Python
+standard-library docstrings, in a new random order per prompt, and one of four kinds of
+question. Two prompt sets that differ in form, so that a default is chosen on both:
+  chat   SmolLM2's chat template: a system line (the anchor), the passages back to back, the
+         question and the assistant's turn
+  plain  plain text, no template: an instruction line (the anchor), each passage ending in a
+         blank line, other questions, "Answer:"; passages cut at other offsets of the texts
+Every passage's KV is stored once beforehand (each after the anchor, in another process's
+order), so every request below is a warm one.
 
 Per setting, against transformers' full prefill of the same ids:
   top-1        next-token agreement, on decisive prompts (full prefill's top two scores at
@@ -16,7 +21,10 @@ Per setting, against transformers' full prefill of the same ids:
                number of leading tokens that agree
   TTFT         ChunkCache.prefill (fingerprint, lookups, KV load from files, rotation,
                selection, the forward) against the full prefill, medians, side by side
-Writes chunk_quality_{k}x{tokens}.json. Not a test: the figures are the product of one run.
+  guard        for settings with max_kl: the request's own estimate against its true KL (Spearman
+               correlation, share of requests whose true KL exceeds the bound) and the fraction used
+Writes chunk_quality_{k}x{tokens}.json (chunk_quality_plain_{k}x{tokens}.json for the plain set).
+Not a test: the figures are the product of one run.
 """
 
 from __future__ import annotations
@@ -49,13 +57,25 @@ QUESTIONS = [
     "Question: Does any passage above mention a license? Quote the relevant words.",
 ]
 END = "<|im_end|>\n<|im_start|>assistant\n"
-SETTINGS = [  # (label, recompute, select); EPIC's token counts are per passage, made a fraction in main()
-    ("no recompute", 0.0, "recent"),
-    ("EPIC first 16/passage", 16, "first"),
-    ("CacheBlend 15%", 0.15, "blend"),
-    ("CacheBlend 30%", 0.30, "blend"),
-    ("recent 10% (default)", 0.10, "recent"),
-    ("recent 15%", 0.15, "recent"),
+PLAIN_ANCHOR = "Read the following passages carefully, then answer the question after them.\n\n"
+PLAIN_QUESTIONS = [
+    "Question: Which passage above talks about installing or using a tool, and how?\nAnswer:",
+    "Question: Name two terms that appear in more than one of the passages above.\nAnswer:",
+    "Question: What does the first passage say? Give its main point.\nAnswer:",
+    "Question: Is there anything about copyright or warranty in the passages? If so, what?\nAnswer:",
+]
+SETTINGS = [  # (label, recompute, select, max_kl); EPIC's token counts are per passage, made a fraction in main()
+    ("no recompute", 0.0, "recent", None),
+    ("EPIC first 16/passage", 16, "first", None),
+    ("CacheBlend 15%", 0.15, "blend", None),
+    ("CacheBlend 30%", 0.30, "blend", None),
+    ("recent 10%", 0.10, "recent", None),
+    ("recent 15%", 0.15, "recent", None),
+    ("query 10%", 0.10, "query", None),
+    ("query 15%", 0.15, "query", None),
+    ("query 30%", 0.30, "query", None),
+    ("guard 0.05 (query 10%+)", 0.10, "query", 0.05),
+    ("guard 0.02 (query 10%+)", 0.10, "query", 0.02),
 ]
 
 
@@ -92,12 +112,15 @@ def english_texts() -> list[str]:
     return keep
 
 
-def passage_pool(tokenizer, tokens: int, want: int, rng: np.random.Generator) -> list[list[int]]:
+def passage_pool(tokenizer, tokens: int, want: int, rng: np.random.Generator, offset: int = 0,
+                 tail: list[int] | None = None) -> list[list[int]]:
+    """``want`` passages of ``tokens`` tokens (``tail`` appended to each), cut from ``offset`` on in each text."""
     pool = []
+    body = tokens - len(tail or [])
     for text in english_texts():
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for lo in range(0, len(ids) - tokens, tokens):
-            pool.append(ids[lo : lo + tokens])
+        for lo in range(offset, len(ids) - body, body):
+            pool.append(ids[lo : lo + body] + list(tail or []))
     order = rng.permutation(len(pool))
     return [pool[i] for i in order[:want]]
 
@@ -114,6 +137,7 @@ def greedy(model, cache, logits, n: int) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--set", choices=("chat", "plain"), default="chat", help="the prompt set (see above)")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--passages", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
@@ -126,14 +150,21 @@ def main() -> None:
     model, tok = load_model("smollm2-135m-instruct")
     rng = np.random.default_rng(0)
     k = args.passages
-    pool = passage_pool(tok, args.tokens, max(3 * k, min(4 * args.prompts, 400)), rng)
-    anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
-    questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    want = max(3 * k, min(4 * args.prompts, 400))
+    if args.set == "chat":
+        pool = passage_pool(tok, args.tokens, want, rng)
+        anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
+        questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    else:
+        pool = passage_pool(tok, args.tokens, want, rng, offset=args.tokens // 3,
+                            tail=tok("\n\n", add_special_tokens=False)["input_ids"])
+        anchor = tok(PLAIN_ANCHOR, add_special_tokens=False)["input_ids"]
+        questions = [tok(q, add_special_tokens=False)["input_ids"] for q in PLAIN_QUESTIONS]
     folder = args.store or tempfile.mkdtemp(prefix="ps-chunks-")
-    settings = [(label, r / args.tokens if r >= 1 else r, sel) for label, r, sel in SETTINGS
+    settings = [(label, r / args.tokens if r >= 1 else r, sel, bound) for label, r, sel, bound in SETTINGS
                 if not args.settings or label in args.settings]
-    caches = {label: ChunkCache(model, tok, PromptStore(folder, memory_bytes=0), recompute=r, select=sel)
-              for label, r, sel in settings}
+    caches = {label: ChunkCache(model, tok, PromptStore(folder, memory_bytes=0), recompute=r, select=sel, max_kl=bound)
+              for label, r, sel, bound in settings}
     prompts = []
     for i in range(args.prompts):
         chosen = rng.choice(len(pool), size=k, replace=False)
@@ -146,7 +177,8 @@ def main() -> None:
     print(f"warmed {len({tuple(x) for p in prompts for x in p[1:-1]})} passages in {time.perf_counter() - t0:.0f} s",
           flush=True)
     rows: dict[str, dict[str, list[float]]] = {label: {"kl": [], "top1": [], "decisive": [], "greedy_all": [],
-                                                       "greedy_lead": [], "ttft": [], "full": []} for label, _, _ in settings}
+                                                       "greedy_lead": [], "ttft": [], "full": [], "estimate": [],
+                                                       "fraction": []} for label, *_ in settings}
     for n, p in enumerate(prompts):
         ids = [t for seg in p for t in seg]
         with torch.no_grad():
@@ -158,7 +190,7 @@ def main() -> None:
         top2 = torch.topk(ref, 2).values
         decisive = float(top2[0] - top2[1]) >= 0.5
         ref_greedy = greedy(model, out.cache, out.logits[0, -1], args.greedy) if args.greedy else []
-        for label, _, _ in settings:
+        for label, *_ in settings:
             cc = caches[label]
             t0 = time.perf_counter()
             cache, logits = cc.prefill(p)
@@ -174,6 +206,9 @@ def main() -> None:
             r["greedy_lead"].append(float(lead))
             r["ttft"].append(seconds)
             r["full"].append(full_s)
+            last = cc.stats["last"]
+            r["estimate"].append(last.get("estimate", float("nan")))
+            r["fraction"].append(last.get("fraction", float("nan")))
         if (n + 1) % 10 == 0 or n + 1 == len(prompts):
             print(f"{n + 1}/{len(prompts)} prompts", flush=True)
             summarise(rows, settings, n + 1, args)  # written as it goes: a stopped run keeps what it measured
@@ -183,8 +218,8 @@ def summarise(rows: dict, settings: list, done: int, args: argparse.Namespace) -
     """Per-setting figures over the prompts done so far, printed and written to chunk_quality_{k}x{tokens}.json."""
     k = args.passages
     results = {}
-    for label, recompute, select in settings:
-        r = {key: np.array(v) for key, v in rows[label].items()}
+    for label, recompute, select, bound in settings:
+        r = {key: np.array(v, dtype=float) for key, v in rows[label].items()}
         dec = r["decisive"] == 1
         results[label] = {
             "recompute": recompute, "select": select, "prompts": done, "decisive": int(dec.sum()),
@@ -195,17 +230,38 @@ def summarise(rows: dict, settings: list, done: int, args: argparse.Namespace) -
             "greedy_all": float(r["greedy_all"].mean()), "greedy_lead": float(r["greedy_lead"].mean()),
             "ttft_s": statistics.median(r["ttft"]), "full_s": statistics.median(r["full"]),
             "speedup": statistics.median(np.array(r["full"]) / np.array(r["ttft"])),
+            "ttft_all": r["ttft"].tolist(), "max_kl": bound, "fraction_mean": float(np.nanmean(r["fraction"])) if np.isfinite(r["fraction"]).any() else None,
         }
+        if bound is not None:
+            est = r["estimate"]
+            ok = np.isfinite(est)
+            results[label]["guard"] = {
+                "violations": float((r["kl"][ok] > bound).mean()) if ok.any() else None,
+                "spearman": _spearman(est[ok], r["kl"][ok]) if ok.sum() > 2 else None,
+                "estimate_mean": float(est[ok].mean()) if ok.any() else None,
+                "exact": float((r["fraction"] >= 1.0).mean()),
+                "per_prompt": {"kl": r["kl"].tolist(), "estimate": [float(e) for e in est],
+                               "fraction": r["fraction"].tolist()},
+            }
         x = results[label]
         print(f"{label:24s} TTFT {x['ttft_s'] * 1000:6.0f} ms  full {x['full_s']:.2f} s  {x['speedup']:5.1f}x  "
               f"top-1 decisive {x['top1_decisive'] or 0:.1%} ({x['decisive']})  near-tie {x['top1_near_tie'] or 0:.1%}  "
               f"KL {x['kl_mean']:.4f} (p90 {x['kl_p90']:.4f})  greedy {args.greedy} all {x['greedy_all']:.0%} "
-              f"lead {x['greedy_lead']:.1f}", flush=True)
+              f"lead {x['greedy_lead']:.1f}" + (f"  fraction {x['fraction_mean']:.2f}" if x["fraction_mean"] else "")
+              + (f"  guard: true KL > {bound} in {x['guard']['violations']:.0%}, spearman {x['guard']['spearman']:.2f}"
+                 if bound is not None and x["guard"]["violations"] is not None and x["guard"]["spearman"] is not None
+                 else ""), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"chunk_quality_{k}x{args.tokens}.json"
-    path.write_text(json.dumps({"machine": machine(), "passages": k, "tokens": args.tokens, "greedy": args.greedy,
-                                "prompts": done, "results": results}, indent=1))
+    name = "chunk_quality" if args.set == "chat" else f"chunk_quality_{args.set}"
+    path = args.out / f"{name}_{k}x{args.tokens}.json"
+    path.write_text(json.dumps({"machine": machine(), "set": args.set, "passages": k, "tokens": args.tokens,
+                                "greedy": args.greedy, "prompts": done, "results": results}, indent=1))
     print(f"wrote {path}")
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 if __name__ == "__main__":

@@ -157,6 +157,60 @@ def chunk_section(runs: list[dict]) -> list[str]:
     return lines + [f"![quality against TTFT]({path.relative_to(ROOT)})", ""]
 
 
+SELECT_COLOURS = {"recent": "tab:blue", "blend": "tab:orange", "first": "tab:green", "query": "tab:red"}
+
+
+def chunk_guard_table(run: dict) -> list[str]:
+    """One prompt set's settings (issue #25's runs): speed, quality, and the guard's own figures."""
+    out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
+           "| moved tokens recomputed | guard: true KL over its bound | guard: Spearman (estimate, true KL) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, r in run["results"].items():
+        tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
+        g = r.get("guard") or {}
+        frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
+        viol = f"{g['violations']:.0%}" if g.get("violations") is not None else "-"
+        rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
+        name = f"**{label}**" if "default" in label else label
+        out.append(f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
+                   f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} | {frac} | {viol} | {rho} |")
+    return out
+
+
+def chunk_sets_plot(run: dict, path: Path) -> str:
+    """Quality (mean KL, top-1 on decisive prompts) against TTFT speed-up for every setting of one prompt set;
+    the guard's operating points as stars."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for label, r in run["results"].items():
+        colour = SELECT_COLOURS.get(r["select"], "grey") if r["recompute"] > 0 or r.get("max_kl") else "black"
+        marker = "*" if r.get("max_kl") is not None else "o"
+        size = 120 if marker == "*" else 40
+        for ax, y in ((left, r["kl_mean"]), (right, r["top1_decisive"])):
+            ax.scatter(r["speedup"], y, c=colour, marker=marker, s=size)
+            ax.annotate(label, (r["speedup"], y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for sel, colour in SELECT_COLOURS.items():
+        left.scatter([], [], c=colour, label=sel)
+    left.scatter([], [], c="black", label="no recompute")
+    left.scatter([], [], c="grey", marker="*", s=120, label="guard (max_kl)")
+    left.set_yscale("log")
+    left.axhline(0.025, color="grey", lw=0.8, ls=":")
+    right.axhline(0.97, color="grey", lw=0.8, ls=":")
+    for ax in (left, right):
+        ax.axvline(5, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("TTFT speed-up over full prefill (x)")
+        ax.grid(True, alpha=0.3)
+    left.set_ylabel("mean KL(full || cached), nats")
+    right.set_ylabel("top-1 agreement, decisive prompts")
+    left.legend(fontsize=7)
+    fig.suptitle(f"ChunkCache, {run.get('set', 'chat')} prompts ({run['passages']} x {run['tokens']} tokens, "
+                 f"{run['prompts']} prompts): quality against TTFT (goal: right of 5x, KL <= 0.025, top-1 >= 97%)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"bench/plots/{path.name}"
+
+
 def zero_shot_section(runs: list[dict]) -> list[str]:
     """Zero-shot classifiers (and OWL queries) cold, warm in a fresh process, one new template: a table and a plot."""
     lines = ["## Zero-shot classifiers and OWL queries (promptstore.vision)", "",

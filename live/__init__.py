@@ -19,6 +19,7 @@ Used only by ``promptstore.vision`` and ``promptstore.llm``; the core never impo
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, NamedTuple
 
@@ -29,10 +30,11 @@ from promptstore.errors import UnsupportedModelError
 
 from ._ambient import ambient_lines, autocast_active
 from ._modules import active_dropout, walk_tree
-from ._tokenizers import TOKENIZER_IGNORED
+from ._tokenizers import TOKENIZER_FILES, TOKENIZER_IGNORED, record_tokenizer, tokenizer_files
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active"]
+__all__ = ["Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active",
+           "load_tokenizer"]
 
 
 # module -> {(entries, skip): (class, reads, structure digest, tensors)}: the last full description
@@ -208,6 +210,21 @@ def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
     out = "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
     _TOKENIZERS.set(tokenizer, (type(tokenizer), walk.reads, out))
     return out
+
+
+def load_tokenizer(folder: Any, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained(folder, **kwargs)``, recording the files it was built from, so that
+    fresh processes name its vocabulary from those files' digests instead of serialising it (~30 ms)."""
+    from transformers import AutoTokenizer
+
+    before = tokenizer_files(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    names = getattr(type(tokenizer), "vocab_files_names", {}).values()
+    # Other arguments may pick other files (subfolder=, tokenizer_file=, gguf_file=); a class may read a
+    # file the list does not name: then nothing is recorded.
+    if not kwargs and os.path.isdir(folder) and all(n in TOKENIZER_FILES for n in names if isinstance(n, str)):
+        record_tokenizer(tokenizer, before, tokenizer_files(folder))
+    return tokenizer
 
 
 def refuse_random(module: Any, skip: str | tuple[str, ...] = "", what: str = "") -> None:

@@ -9,10 +9,11 @@ A Rust ``tokenizers.Tokenizer`` (``backend_tokenizer``) is read through its part
 pre-tokeniser, post-processor, decoder, added tokens, truncation and padding, the model's
 type and settings (BPE dropout included) are read every call (microseconds). The model's
 vocabulary and merges cost ~20-35 ms to serialise (SmolLM2's 49k BPE), so their digest is
-remembered per backend object, and, for the backend of a transformers tokenizer loaded from a
-local folder, between processes too: under the digests of that folder's tokenizer files, the
-tokenizer's class, its init arguments and the library versions (a fresh process then serialises
-nothing). What the Python API can change in place without replacing the model is all in the
+remembered per backend object, and between processes for a tokenizer whose loader recorded
+where it came from (``load_model`` does; see :func:`record_tokenizer`): under the digests of the
+files it was loaded from (taken before and after the load), the tokenizer's class, its init
+arguments and the library versions, so a fresh process serialises nothing. A tokenizer loaded
+any other way serialises its vocabulary once per process. What the Python API can change in place without replacing the model is all in the
 parts read every call; a replaced model (or backend) is caught by its vocabulary size and by the
 tokens a fixed probe text and 32 sampled ids give. Out of contract: replacing the model or the
 backend by one of the same type, settings and size that agrees on that probe.
@@ -22,13 +23,15 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 import xxhash
 
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["describe_backend", "tokenizer_origin", "TOKENIZER_IGNORED"]
+__all__ = ["describe_backend", "tokenizer_files", "record_tokenizer", "tokenizer_origin", "TOKENIZER_IGNORED",
+           "TOKENIZER_FILES"]
 
 # Fields that record where a tokenizer came from or what it has done, not what it computes.
 TOKENIZER_IGNORED = frozenset({"name_or_path", "init_kwargs", "init_inputs", "files_loaded", "deprecation_warnings",
@@ -57,37 +60,55 @@ def _model_stamp(model: Any, backend: Any) -> str:
     return repr([type(model).__name__, settings, size, probe, sample])
 
 
-# Besides vocab_files_names: what from_pretrained reads from a tokenizer folder.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+# What from_pretrained may read from a tokenizer folder: a class's vocab_files_names must be among them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json", "vocab.model", "tiktoken.model")
+# id(backend) -> (weak reference to its owner, the backend, origin): what a tokenizer was loaded from,
+# recorded at load time by whoever loaded it (tokenizer_files, then record_tokenizer).
+_ORIGINS: dict[int, tuple[Any, Any, str]] = {}
 
 
-def tokenizer_origin(owner: Any) -> str | None:
-    """What a transformers tokenizer's backend was built from: its folder's tokenizer files (by
-    digest), its class, its init arguments and the library versions; None when not from a local folder."""
-    folder = getattr(owner, "name_or_path", None)
-    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
-        return None
+def tokenizer_files(folder: str | os.PathLike[str]) -> list[tuple[str, str]] | None:
+    """The files of ``TOKENIZER_FILES`` in ``folder``, by digest (None: none, or one unreadable)."""
     from promptstore import file_digest
 
-    names = sorted({*_TOKENIZER_FILES, *(n for n in getattr(type(owner), "vocab_files_names", {}).values()
-                                        if isinstance(n, str))})
     files = []
-    for name in names:
-        path = os.path.join(folder, name)
+    for name in TOKENIZER_FILES:
+        path = os.path.join(os.fspath(folder), name)
         if os.path.isfile(path):
             try:
                 files.append((name, file_digest(path)))
             except OSError:
                 return None
-    if not files:
-        return None
+    return files or None
+
+
+def record_tokenizer(owner: Any, files: list[tuple[str, str]] | None, after: list[tuple[str, str]] | None) -> None:
+    """Record that ``owner`` (a transformers tokenizer) was just loaded from ``files`` (digests taken before
+    the load; ``after``: the same taken after it). Its backend's vocabulary digest is then remembered
+    between processes under them (see the module docstring); files that changed during the load: nothing."""
+    backend = getattr(owner, "_tokenizer", None)
+    if files is None or files != after or backend is None:
+        return
     import tokenizers
     import transformers
 
     kwargs = getattr(owner, "init_kwargs", None)
-    return repr([f"tokenizers={tokenizers.__version__}", f"transformers={transformers.__version__}",
-                 f"{type(owner).__module__}.{type(owner).__qualname__}", files,
-                 sorted((str(k), repr(v)) for k, v in kwargs.items()) if isinstance(kwargs, dict) else None])
+    origin = repr([f"tokenizers={tokenizers.__version__}", f"transformers={transformers.__version__}",
+                   f"{type(owner).__module__}.{type(owner).__qualname__}", files,
+                   sorted((str(k), repr(v)) for k, v in kwargs.items()) if isinstance(kwargs, dict) else None])
+    key = id(backend)
+    with _MEMO_LOCK:
+        _ORIGINS[key] = (weakref.ref(owner, lambda _, k=key: _ORIGINS.pop(k, None)), backend, origin)
+
+
+def tokenizer_origin(owner: Any, backend: Any) -> str | None:
+    """What ``backend`` was built from, if ``owner`` recorded it at load time and still holds that very backend."""
+    hit = _ORIGINS.get(id(backend))
+    if hit is None or hit[0]() is not owner or hit[1] is not backend:
+        return None
+    return str(hit[2])
 
 
 def _model_digest(backend: Any, stamp: str, origin: str | None) -> str:

@@ -507,7 +507,7 @@ class Walk:
                 from ._tokenizers import tokenizer_origin
 
                 self._per_call.add(id(fields[k]))
-                self._origins[id(fields[k])] = tokenizer_origin(v)
+                self._origins[id(fields[k])] = tokenizer_origin(v, fields[k])
             self.emit(f"field:{k}")
             self.value(fields[k], f"{path}.{k}", depth + 1)
         self.emit("}")

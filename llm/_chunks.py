@@ -14,13 +14,23 @@ A prompt is given as segments: an anchor (a system line), passages, and a questi
   the others) and their fresh KV replaces the stored one at every layer. ``select`` says which
   tokens:
 
-  - ``"recent"`` (the default): the moved tokens nearest the question. The question's queries
-    lean most on the context just before it; on SmolLM2 this beat both published selections
-    at the same speed (BENCHMARKS.md).
+  - ``"recent"``: the moved tokens nearest the question (the question's queries lean most on the
+    context just before it). The default before issue #25; still the default for a model whose
+    queries ``"query"`` cannot read.
   - ``"blend"`` (CacheBlend): the largest deviation of layer 1's values between the stored KV
     and this prompt, which costs one layer over the whole prompt to find.
   - ``"first"`` (EPIC): the first tokens of each moved passage.
+  - ``"query"`` (the default; question-aware, after ProphetKV and InfoFlow KV): the question is run
+    once over the stitched (rotated) KV, and each moved token is ranked by the attention its
+    queries give it, at the question's final positions, summed over every layer. It costs that
+    one extra pass over the question; on both measured prompt sets it beat the other selections
+    at equal TTFT on KL and top-1 (BENCHMARKS.md, "Passages anywhere").
 - ``recompute=1.0`` recomputes every moved token: a full prefill, up to float rounding.
+- ``max_kl``: a per-request quality guard. Each request estimates how far its next-token
+  distribution still is from a full prefill's as the KL divergence between two budgets
+  (the stale KV's against the repaired one, then each budget against half of it), and doubles
+  the recomputed fraction, up to an exact prefill, until the estimate is within the bound.
+  ``stats["last"]`` reports the estimate and the fraction used.
 
 Such KV is approximate, so nothing ChunkCache computes after the anchor is ever stored in
 PrefixCache's exact key space.
@@ -45,10 +55,10 @@ from ._prefix import PrefixCache
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
 
 CHUNK_KIND = "llm.chunk"
-SELECTIONS = ("recent", "blend", "first")
+SELECTIONS = ("recent", "blend", "first", "query")
 # Chosen from measured quality and speed (BENCHMARKS.md, "Passages anywhere"; bench/chunk_quality.py).
 DEFAULT_RECOMPUTE = 0.10
-DEFAULT_SELECT = "recent"
+DEFAULT_SELECT = "query"  # "recent" for a model whose queries "query" cannot read (see _query_parts)
 _SHIFT = 37  # how far the model check moves a probe passage
 SERVED, STORED, COMPUTED = 0, 1, 2
 
@@ -59,6 +69,19 @@ class _Stop(Exception):
 
 class _Stats(Counts):
     FIELDS = ("queried", "served", "recomputed", "computed", "requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.estimate: float | None = None  # the guard's KL estimate (nats), when it ran
+        self.fraction: float | None = None  # the share of moved tokens the request recomputed
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(super().as_dict())
+        if self.fraction is not None:
+            out["fraction"] = self.fraction
+        if self.estimate is not None:
+            out["estimate"] = self.estimate
+        return out
 
 
 class ChunkCache:
@@ -72,12 +95,15 @@ class ChunkCache:
         recompute: fraction (0 to 1) of the moved passage tokens whose KV is computed again in
             the new prompt. The first passage sits where it was cached (right after the anchor)
             and is exact without recompute. ``1.0`` equals a full prefill.
-        select: ``"recent"``, ``"blend"`` or ``"first"``; see the module docstring. The default
-            (10%, ``"recent"``) is the measured trade-off of README.md's table.
+        select: ``"recent"``, ``"blend"``, ``"first"`` or ``"query"``; see the module docstring.
+            The default (None) is ``"query"``, the best measured on both of bench/chunk_quality.py's
+            prompt sets (README.md), or ``"recent"`` for a model whose queries it cannot read.
         block_tokens: block size of the leading exact prefix (see :class:`PrefixCache`).
+        max_kl: the quality guard's bound (nats; None: off): recompute more, up to an exact
+            prefill, until the request's estimated KL from a full prefill is within it.
 
     Raises:
-        InvalidInputError: ``recompute`` outside [0, 1] or an unknown ``select``.
+        InvalidInputError: ``recompute`` outside [0, 1], an unknown ``select``, ``max_kl`` negative.
         UnsupportedModelError: a model PrefixCache refuses, one without rotary positions
             (learned absolute positions, ALiBi), one whose keys do not move with a rotation
             (another RoPE layout, length-dependent RoPE), sliding-window layers, or an attention
@@ -85,14 +111,27 @@ class ChunkCache:
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, *,
-                 recompute: float = DEFAULT_RECOMPUTE, select: str = DEFAULT_SELECT, block_tokens: int = 64) -> None:
+                 recompute: float = DEFAULT_RECOMPUTE, select: str | None = None, block_tokens: int = 64,
+                 max_kl: float | None = None) -> None:
         if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
             raise InvalidInputError(f"recompute must be a number from 0 to 1, got {recompute!r}")
+        if select is None:
+            try:
+                _query_parts(model)
+                select = DEFAULT_SELECT
+            except UnsupportedModelError:
+                select = "recent"
         if select not in SELECTIONS:
             raise InvalidInputError(f"select must be one of {SELECTIONS}, got {select!r}")
+        if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float))
+                                   or not max_kl >= 0.0):
+            raise InvalidInputError(f"max_kl must be a number >= 0 (nats) or None, got {max_kl!r}")
+        if select == "query":
+            _query_parts(model)  # refuse, before any work, a model whose queries cannot be read
         self.prefix = PrefixCache(model, tokenizer, store, block_tokens)
         self.model, self.tokenizer, self.store = model, tokenizer, self.prefix.store
         self.recompute, self.select = float(recompute), select
+        self.max_kl = None if max_kl is None else float(max_kl)
         self._checked: Any = None  # the live model signature the move check last passed for
         self._check_model()
         self._last, self._total = _Stats(), _Stats()
@@ -193,25 +232,59 @@ class ChunkCache:
                 source[lo:hi] = STORED
             if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
                 moved.append(np.arange(lo, hi))
-        run = np.flatnonzero(~placed[start:stop]) + start  # the question and whatever has no stored KV
-        chosen = self._choose(ids, buffers, moved)
-        run = np.union1d(chosen, run).astype(np.int64)
-        logits = None
-        if run.size and run[0] + run.size == stop:
-            # Only the end of the prompt (nothing chosen before it): a plain forward, as PrefixCache runs it.
-            cache = make_cache(buffers, int(run[0]), self.model.config)
-            _, out, _ = pc._forward(ids, int(run[0]), stop, cache)
-            logits = out[0, -1]
-        elif run.size:
+        base = np.flatnonzero(~placed[start:stop]) + start  # the question and whatever has no stored KV
+        total = sum(len(m) for m in moved)
+        partial = 0 < int(round(self.recompute * total)) < total
+        stale = hidden = None
+        if moved and base.size and ((self.select == "query" and partial) or self.max_kl is not None):
+            # The question over the stitched KV as it is: the guard's first point, and the queries
+            # the "query" selection ranks moved tokens by.
             with torch.no_grad():
-                logits = self._pass(ids, buffers, run, stop)
+                stale, hidden = self._pass(ids, buffers, base, stop, hidden=self.select == "query")
+        ranked = self._query_ranking(hidden, buffers, base, moved, stop) if hidden is not None else None
+        if self.select == "blend" and moved and (partial or (self.max_kl is not None and self.recompute < 1.0)):
+            # Ranked once, on the KV as stored: the guard's larger budgets take the next tokens of that order.
+            candidates = np.concatenate(moved)
+            ranked = candidates[np.argsort(-self._deviation(ids, buffers, candidates), kind="stable")]
+        fraction = self.recompute
+        chosen = self._choose(ids, buffers, moved, fraction, ranked)
+        logits = self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
+        estimate = None
+        if self.max_kl is not None and stale is not None and logits is not None:
+            # A budget that recomputed nothing more than the last is no evidence: it is never accepted.
+            estimate = 0.0 if chosen.size >= total else _kl(logits, stale) if chosen.size else float("inf")
+            while estimate > self.max_kl and chosen.size < total:
+                # Twice the budget (a superset: what was recomputed stays recomputed), up to all of it.
+                fraction = min(1.0, max(2.0 * fraction, 0.05))
+                more = np.union1d(chosen, self._choose(ids, buffers, moved, fraction, ranked)).astype(np.int64)
+                if more.size == chosen.size:
+                    continue
+                chosen = more
+                previous, logits = logits, self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
+                estimate = 0.0 if chosen.size >= total else _kl(logits, previous)
         last = self._last = _Stats()
         last.queried, last.requests = len(ids), 1
         last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
         last.served = int(np.count_nonzero(source != COMPUTED)) - last.recomputed
         last.computed = len(ids) - last.served - last.recomputed
+        last.fraction = chosen.size / total if moved else None
+        last.estimate = estimate
         cache = make_cache(buffers, stop, self.model.config)
         return cache, logits
+
+    def _repair(self, ids: np.ndarray, buffers: tuple[Any, Any], run: np.ndarray, stop: int) -> Any:
+        """Compute the tokens at ``run`` (and their KV) over the stored KV of the rest; the last scores or None."""
+        import torch
+
+        if not run.size:
+            return None
+        if run[0] + run.size == stop:
+            # Only the end of the prompt (nothing chosen before it): a plain forward, as PrefixCache runs it.
+            cache = make_cache(buffers, int(run[0]), self.model.config)
+            _, out, _ = self.prefix._forward(ids, int(run[0]), stop, cache)
+            return out[0, -1]
+        with torch.no_grad():
+            return self._pass(ids, buffers, run, stop)[0]
 
     def _place(self, anchor: np.ndarray, passage: np.ndarray, buffers: tuple[Any, Any], lo: int) -> bool:
         """Put a passage's stored KV (computed and stored on a miss) at ``lo``; True if it was computed."""
@@ -272,18 +345,23 @@ class ChunkCache:
             v = torch.stack([layer_v[0, :, at:, :] for _, layer_v in kv])
         return k, v, seconds
 
-    def _choose(self, ids: np.ndarray, buffers: tuple[Any, Any], moved: list[np.ndarray]) -> np.ndarray:
-        """The moved tokens to recompute: ``recompute`` of them, picked by ``select``."""
+    def _choose(self, ids: np.ndarray, buffers: tuple[Any, Any], moved: list[np.ndarray], fraction: float,
+                ranked: np.ndarray | None) -> np.ndarray:
+        """The moved tokens to recompute: ``fraction`` of them, picked by ``select`` (``ranked``: the order
+        of "query" (most attended first; None without a question to rank by) or "blend" (most deviating
+        first; None: ranked here))."""
 
-        if not moved or self.recompute == 0.0:
+        if not moved or fraction == 0.0:
             return np.zeros(0, np.int64)
         candidates = np.concatenate(moved)
-        count = int(round(self.recompute * candidates.size))
+        count = int(round(fraction * candidates.size))
         if count >= candidates.size:
             return candidates
         if count == 0:
             return np.zeros(0, np.int64)
-        if self.select == "recent":
+        if self.select in ("query", "blend") and ranked is not None:
+            return np.sort(ranked[:count])
+        if self.select in ("recent", "query"):
             # The moved tokens nearest the question: its queries lean on nearby context most.
             return candidates[-count:]
         if self.select == "first":
@@ -296,22 +374,52 @@ class ChunkCache:
         top = np.argsort(-deviation, kind="stable")[:count]
         return np.sort(candidates[top])
 
+    def _query_ranking(self, hidden: Any, buffers: tuple[Any, Any], at: np.ndarray, moved: list[np.ndarray],
+                       n_kv: int) -> np.ndarray:
+        """The moved tokens, most attended first by the queries of the tokens at ``at`` (the question),
+        whose inputs to each layer are ``hidden``: each layer's attention probabilities over the stitched
+        KV, summed over heads, query tokens and layers (each layer weighs the same)."""
+        import torch
+
+        layers, queries, scaling = _query_parts(self.model)
+        candidates = np.concatenate(moved)
+        k_buf = buffers[0]
+        device = k_buf.device
+        cand = torch.as_tensor(candidates, device=device)
+        pos = torch.as_tensor(at, device=device)
+        causal = torch.arange(n_kv, device=device)[None, :] <= pos[:, None]  # (queries, keys)
+        score = torch.zeros(candidates.size, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                q = queries(layer, hidden[i][0]).to(k_buf.dtype)  # (heads, queries, head_dim), not rotated
+                _rotate(q[None], np.zeros(len(at), np.int64), at, self._inv_freq)
+                keys = k_buf[i, 0, :, :n_kv]
+                keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], 0)
+                logits = (q.float() @ keys.float().transpose(-1, -2)) * scaling
+                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+                score += probs[..., cand].sum(dim=(0, 1)).double()
+        order = np.argsort(-score.cpu().numpy(), kind="stable")
+        return candidates[order]
+
     def _deviation(self, ids: np.ndarray, buffers: tuple[Any, Any], candidates: np.ndarray) -> np.ndarray:
         """How far each candidate's layer-1 values move when computed in this prompt (squared L2)."""
         import torch
 
+        if buffers[1].shape[0] < 2:
+            return np.zeros(candidates.size)  # one layer: its KV (layer 0's) is exact wherever a passage moves
         old = buffers[1][1, 0][:, torch.as_tensor(candidates, device=buffers[1].device)].float()
         with torch.no_grad():
             fresh = self._pass(ids, buffers, candidates, int(candidates[-1]) + 1, record_layer=1)
         return ((fresh.float() - old) ** 2).sum(dim=(0, 2)).cpu().numpy()
 
     def _pass(self, ids: np.ndarray, buffers: tuple[Any, Any], run: np.ndarray, n_kv: int,
-              record_layer: int | None = None) -> Any:
+              record_layer: int | None = None, hidden: bool = False) -> Any:
         """One forward of the tokens at positions ``run`` over the buffers' first ``n_kv`` tokens.
 
         Each layer writes the fresh KV of ``run`` into the buffers before attending, so the tokens
-        attend to each other as in a prefill and to stored KV elsewhere. Returns the last token's
-        scores, or (``record_layer``) that layer's fresh values of ``run``, stopping there.
+        attend to each other as in a prefill and to stored KV elsewhere. Returns ``(the last token's
+        scores, each layer's input hidden states or None)``, or (``record_layer``) that layer's fresh
+        values of ``run``, stopping there.
         """
         import torch
         from transformers import DynamicCache
@@ -329,12 +437,25 @@ class ChunkCache:
         else:
             dtype = buffers[0].dtype
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        inputs: list[Any] = []
+        handles = []
+        if hidden:
+            # Each decoder layer's input, read by pre-hooks that live only for this pass: transformers'
+            # output_hidden_states installs recording hooks for good, which would change the model's
+            # live identity (and so every key) after the first such request.
+            def keep(_module: Any, args: Any, kwargs: Any) -> None:
+                inputs.append(args[0] if args else kwargs["hidden_states"])
+
+            handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in _query_parts(self.model)[0]]
         try:
             out = self.model(torch.as_tensor(ids[run], device=device)[None], position_ids=at[None], attention_mask=mask,
                              use_cache=True, **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
         except _Stop:
             return recorded[0][0]
-        return out.logits[0, -1]
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out.logits[0, -1], (inputs if hidden else None)
 
     # -- public ---------------------------------------------------------------------------
     def prefill(self, segments: Sequence[Any]) -> tuple[Any, Any]:
@@ -374,8 +495,14 @@ class ChunkCache:
             raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
         ids = np.concatenate(segs)
         check_lengths(generate_kwargs, len(ids))
-        # Everything but the last token: generate runs that one and goes on.
-        cache, _ = self._build(segs, len(ids) - 1)
+        if self.max_kl is None:
+            # Everything but the last token: generate runs that one and goes on.
+            cache, _ = self._build(segs, len(ids) - 1)
+        else:
+            # The guard judges the distribution of the first new token, so the whole prompt is built;
+            # generate then runs the last token again (one more forward over one token).
+            cache, _ = self._build(segs, len(ids))
+            cache.crop(-1)
         full = torch.as_tensor(ids, device=self.model.device)[None]
         generate_kwargs[self.prefix._cache_arg] = cache
         out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
@@ -391,6 +518,55 @@ class ChunkCache:
         (stored KV of moved passages computed again); ``computed`` (no stored KV: the anchor's and new
         passages' first computation, the question). ``served + recomputed + computed == queried``."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+def _kl(p_logits: Any, q_logits: Any) -> float:
+    """KL(p || q) of two next-token distributions given as scores (nats); inf when not finite (never 0 by NaN)."""
+    import torch
+
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    p = lp.exp()
+    kl = float(torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum())
+    return max(0.0, kl) if np.isfinite(kl) else float("inf")
+
+
+def _query_parts(model: Any) -> tuple[Any, Any, float]:
+    """(decoder layers, layer x inputs -> (heads, tokens, head_dim) queries before RoPE, attention scaling).
+
+    The "query" selection reads the queries the attention computes from each layer's input: the
+    input norm, then the query projection (a fused qkv's first part) and its norm where the family
+    has one (Qwen3's q_norm).
+
+    Raises:
+        UnsupportedModelError: a model whose layers are not laid out so.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    first = layers[0] if layers is not None and len(layers) else None
+    attn = getattr(first, "self_attn", None)
+    heads = getattr(model.config, "num_attention_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    if (attn is None or getattr(first, "input_layernorm", None) is None or heads is None or head_dim is None
+            or not (hasattr(attn, "q_proj") or hasattr(attn, "qkv_proj"))):
+        raise UnsupportedModelError(f"select='query' reads each layer's queries (input_layernorm, then q_proj or "
+                                    f"qkv_proj): {type(model).__name__} is not laid out so; use another select")
+
+    def queries(layer: Any, x: Any) -> Any:
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h) if hasattr(a, "q_proj") else a.qkv_proj(h)[..., : heads * head_dim]
+        norm = getattr(a, "q_norm", None)
+        weight = getattr(norm, "weight", None)
+        whole = weight is not None and weight.numel() == heads * head_dim  # OLMo-2 normalises the whole projection
+        if norm is not None and whole:
+            q = norm(q)
+        q = q.view(x.shape[0], -1, head_dim)
+        if norm is not None and not whole:
+            q = norm(q)  # per head (Qwen3, Gemma 3)
+        q = q.transpose(0, 1)
+        layer_norm = getattr(a, "q_layernorm", None)  # Phi's and StableLM's qk_layernorm, on (batch, heads, tokens, dim)
+        return layer_norm(q[None])[0] if layer_norm is not None else q
+
+    return layers, queries, float(getattr(attn, "scaling", head_dim ** -0.5))
 
 
 def _rotary_frequencies(model: Any) -> Any:

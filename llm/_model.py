@@ -101,7 +101,9 @@ def load_model(
             gives the command that installs it).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from promptstore._live import load_tokenizer
 
     gguf = _gguf_path(name)
     root = Path(cache_dir) if cache_dir is not None else models_dir()
@@ -109,7 +111,7 @@ def load_model(
     target = root / f"{name}-{file_digest(gguf)[:16]}"
     if not (target / "config.json").exists():
         _convert(gguf, target)
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = load_tokenizer(target)  # AutoTokenizer, its files recorded: fresh processes name it from them
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32)
     model.eval()
     if device is not None:

@@ -211,7 +211,8 @@ def test_flash_style_kernels_without_a_mask_are_refused(store):
         ChunkCache(model, store=store)
 
 
-@pytest.mark.parametrize("kwargs", [{"recompute": 1.5}, {"recompute": -0.1}, {"recompute": True}, {"select": "best"}])
+@pytest.mark.parametrize("kwargs", [{"recompute": 1.5}, {"recompute": -0.1}, {"recompute": True}, {"select": "best"},
+                                    {"max_kl": -0.1}, {"max_kl": "0.1"}, {"max_kl": float("nan")}, {"max_kl": True}])
 def test_bad_settings_are_refused(tiny, store, kwargs):
     with pytest.raises(InvalidInputError):
         ChunkCache(tiny, store=store, **kwargs)
@@ -377,6 +378,102 @@ def test_each_selection_recomputes_the_tokens_it_names(tiny, store, select, reco
     assert fresh.tolist() == expected.tolist()
 
 
+def attention_ranking(model, segs, n_candidates_from: int) -> np.ndarray:
+    """Moved positions ranked by transformers' own attention probabilities (eager, output_attentions) of the
+    question's tokens over the stitched stale KV, summed over layers, heads and question tokens."""
+    ids = [t for s in segs for t in s]
+    n_q = len(segs[-1])
+    with PromptStore(memory_bytes="64MiB", disk_bytes=0) as s:
+        stale, _ = ChunkCache(model, store=s, recompute=0.0).prefill(segs)  # the stitched KV, question included
+    stale.crop(-n_q)
+    with torch.no_grad():
+        out = model(torch.as_tensor([ids[-n_q:]]), cache=stale, use_cache=True, output_attentions=True,
+                    position_ids=torch.arange(len(ids) - n_q, len(ids))[None])
+    score = sum(a[0].double().sum(dim=(0, 1)) for a in out.attentions)
+    positions = np.arange(n_candidates_from, len(ids) - n_q)
+    return positions[np.argsort(-score[torch.as_tensor(positions)].numpy(), kind="stable")]
+
+
+@pytest.mark.parametrize(("recompute", "seed"), [(0.25, 22), (0.1, 27)])
+def test_the_query_selection_recomputes_the_tokens_the_question_attends_to_most(store, recompute, seed):
+    """The oracle is transformers' own eager attention probabilities of the question over the stitched KV."""
+    model = tiny_model(attn_implementation="eager")
+    anchor, passages, question = segments(500, seed)
+    segs = [anchor, *passages, question]
+    cc = ChunkCache(model, store=store, recompute=recompute, select="query")
+    cache, _ = cc.prefill(segs)
+    positions, fresh, _ = recomputed_positions(model, segs, cache)
+    count = round(recompute * len(positions))
+    ranked = attention_ranking(model, segs, int(positions[0]))
+    assert len(fresh) == count
+    assert fresh.tolist() == np.sort(ranked[:count]).tolist()
+    assert fresh.tolist() != positions[-count:].tolist()  # not what "recent" picks: the test tells them apart
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma", "phi", "stablelm", "glm4_moe"])
+def test_the_query_selection_reads_queries_of_other_layouts_and_stays_exact_at_full_recompute(model_type, store):
+    """Query norms per head (qwen3), offset RMSNorm (gemma), partial rotary (phi, stablelm, glm4_moe)."""
+    model, why = llm_zoo.build(model_type)
+    assert model is not None, why
+    cc, diffs = run_orders(model, store, 1.0, "query", llm_zoo.vocab_of(model), seed=3)
+    assert max(diffs) <= ATOL * max(1.0, float(full_logits(model, list(range(1, 9))).abs().max()))
+    anchor, passages, question = segments(llm_zoo.vocab_of(model), 3)
+    cc.recompute = 0.3  # the stored passages in a new order: ranked by the question's attention, 30% recomputed
+    _, logits = cc.prefill([anchor, passages[1], passages[3], passages[0], passages[2], question])
+    moved = len(passages[3]) + len(passages[0]) + len(passages[2])
+    assert cc.stats["last"]["recomputed"] == round(0.3 * moved) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "olmo2"])
+def test_the_query_selection_refuses_a_model_whose_queries_it_cannot_read(store, model_type):
+    """gpt_neox: a fused query_key_value under gpt_neox.layers; olmo2: no norm before attention."""
+    model, why = llm_zoo.build(model_type)
+    assert model is not None, why
+    with pytest.raises(UnsupportedModelError, match="query"):
+        ChunkCache(model, store=store, select="query")
+    assert not store.ls()
+
+
+@pytest.mark.parametrize("select", ["recent", "query", "blend"])
+def test_a_zero_bound_recomputes_everything_and_equals_a_full_prefill(tiny, store, select):
+    """The guard doubles the recomputed fraction until its estimate is within the bound: with 0, up to all of it."""
+    cc, diffs = run_orders(tiny, store, 0.1, select, 500)
+    cc.max_kl = 0.0
+    anchor, passages, question = segments(500, 0)
+    segs = [anchor, passages[2], passages[0], passages[3], passages[1], question]
+    ids = [t for s in segs for t in s]
+    _, logits = cc.prefill(segs)
+    last = cc.stats["last"]
+    assert last["fraction"] == 1.0 and last["estimate"] == 0.0
+    assert last["recomputed"] == sum(len(p) for p in segs[2:-1])
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
+    """Each step's estimate is KL(this budget || the previous one) (the first: against the stale KV); the
+    request ends with the first budget whose estimate is within the bound, and reports it."""
+    anchor, passages, question = segments(500, 5)
+    segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
+    ids = [t for s in segs for t in s]
+    ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])  # passages stored
+    moved = sum(len(p) for p in segs[2:-1])
+    logits = {}
+    for fraction in (0.0, 0.1, 0.2, 0.4, 0.8):
+        logits[fraction] = ChunkCache(tiny, store=store, recompute=fraction, select="recent").prefill(segs)[1]
+    lp = {f: torch.log_softmax(x.double(), -1) for f, x in logits.items()}
+    kl = {f: float((lp[f].exp() * (lp[f] - lp[g])).sum()) for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2), (0.8, 0.4))}
+    for bound in sorted(kl.values()):
+        cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound * (1 + 1e-9))
+        _, got = cc.prefill(segs)
+        stop = next(f for f in kl if kl[f] <= bound * (1 + 1e-9))
+        last = cc.stats["last"]
+        assert last["recomputed"] == round(stop * moved), (bound, kl)
+        assert last["fraction"] == last["recomputed"] / moved
+        assert last["estimate"] == pytest.approx(kl[stop], rel=1e-3, abs=1e-7)
+        assert (got - logits[stop]).abs().max().item() <= ATOL
+    assert (full_logits(tiny, ids) - logits[0.8]).abs().max().item() > ATOL  # the budgets do differ from exact
+
+
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
     anchor, passages, question = segments(500, 23)
     cc = ChunkCache(tiny, store=store, recompute=1.0)
@@ -419,12 +516,13 @@ def test_a_budget_that_rounds_to_no_token_or_one_recomputes_that_many(store, rec
     model = tiny_model(seed=7)
     counter = Counting(model.get_input_embeddings())
     anchor, passages, question = segments(500, 29)
-    cc = ChunkCache(model, store=store, recompute=recompute)
-    cc.prefill([anchor, *passages, question])
-    counter.reset()
-    segs = [anchor, passages[0], passages[3], passages[1], passages[2], question]
-    _, logits = cc.prefill(segs)
-    assert cc.stats["last"]["recomputed"] == want and counter.tokens == len(question) + want
+    for select, question_runs in (("recent", 1), ("query", 2 if want else 1)):  # "query" runs the question first
+        cc = ChunkCache(model, store=store, recompute=recompute, select=select)
+        cc.prefill([anchor, *passages, question])
+        counter.reset()
+        segs = [anchor, passages[0], passages[3], passages[1], passages[2], question]
+        _, logits = cc.prefill(segs)
+        assert cc.stats["last"]["recomputed"] == want and counter.tokens == question_runs * len(question) + want
 
 
 def test_blend_breaks_ties_in_deviation_by_position(tiny, store, monkeypatch):
@@ -433,11 +531,11 @@ def test_blend_breaks_ties_in_deviation_by_position(tiny, store, monkeypatch):
     moved = [np.arange(11, 61), np.arange(61, 111)]
     deviation = np.tile(np.array([0.0, 1.0, 1.0, 0.0], np.float32), 25)  # ties everywhere
     monkeypatch.setattr(ChunkCache, "_deviation", lambda self, ids, buffers, candidates: deviation)
-    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved)
+    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved, 0.5, None)
     candidates = np.concatenate(moved)
     assert chosen.tolist() == np.sort(candidates[deviation == 1.0]).tolist()[:50]
     deviation = np.tile(np.array([0.0, 2.0, 1.0, 1.0, 0.0], np.float32), 20)
-    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved)
+    chosen = cc._choose(np.zeros(120, np.int64), (None, None), moved, 0.5, None)
     ones = candidates[deviation == 1.0]
     assert chosen.tolist() == np.sort(np.concatenate([candidates[deviation == 2.0], ones[:30]])).tolist()
 
@@ -454,3 +552,17 @@ def test_a_stored_passage_costs_the_time_its_forward_took(tiny, store, monkeypat
     cc = ChunkCache(tiny, store=store, recompute=0.0)
     cc.prefill([anchor, passages[0], passages[1], question])
     assert sorted(info.cost_s for info in store.ls(CHUNK_KIND)) == [1.0, 1.0]
+
+
+def test_the_query_selection_leaves_the_models_identity_as_it_was(store):
+    """Its pass reads each layer's input through hooks that live only for that pass (transformers'
+    output_hidden_states installs recording hooks for good): the very next request is served."""
+    model = tiny_model(seed=7)
+    anchor, passages, question = segments(500, 29)
+    cc = ChunkCache(model, store=store, recompute=0.05, select="query")
+    before = cc.prefix.fingerprint
+    cc.prefill([anchor, *passages, question])
+    assert cc.prefix.fingerprint == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    cc.prefill([anchor, passages[0], passages[3], passages[1], passages[2], question])
+    assert cc.stats["last"]["served"] > 0 and cc.stats["last"]["recomputed"] > 0

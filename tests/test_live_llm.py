@@ -653,29 +653,30 @@ def test_the_prefix_cache_fingerprint_follows_its_tokenizer(store):
 _FOLDER_IDENTITY = """
 import json, sys
 from transformers import AutoTokenizer
-from promptstore._live import _tokenizers, tokenizer_identity
+from promptstore._live import _tokenizers, load_tokenizer, tokenizer_identity
 serialised = []
 state = _tokenizers._state
 _tokenizers._state = lambda part: (serialised.append(type(part).__name__), state(part))[1]
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-if len(sys.argv) > 2:  # an edit made after loading
-    exec(sys.argv[2])
+tok = (load_tokenizer if sys.argv[3] == "recorded" else AutoTokenizer.from_pretrained)(sys.argv[1])
+exec(sys.argv[2])  # an edit made after loading
 print(json.dumps({"identity": tokenizer_identity(tok), "serialised": serialised,
                   "tokens": tok("abc dg gd", add_special_tokens=False)["input_ids"]}))
 """
 
 
-def _folder_identity(folder, memo, edit=None):
+def _folder_identity(folder, memo, edit="", how="recorded"):
     import json
 
-    proc = run_python(_FOLDER_IDENTITY, str(folder), *([edit] if edit else []), env={"PROMPTSTORE_DIGESTS": memo})
+    proc = run_python(_FOLDER_IDENTITY, str(folder), edit, how, env={"PROMPTSTORE_DIGESTS": memo})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_a_tokenizer_from_a_folder_is_named_in_a_fresh_process_without_serialising_its_vocabulary(tmp_path):
-    """The backend's vocabulary digest is remembered between processes under the folder's files: a
-    fresh process serialises no model, and gets the identity a process without the memo computes;
-    another tokenizer.json, or an edit after loading, is another identity."""
+    """The backend's vocabulary digest is remembered between processes under the files it was loaded from
+    (load_tokenizer, which load_model uses): a fresh process serialises no model, and gets the identity a
+    process without the memo computes; another tokenizer.json, or an edit after loading, is another identity;
+    a file rewritten after loading changes nothing the loaded tokenizer is named by; a tokenizer loaded
+    without its files recorded serialises its vocabulary in every process."""
     from tokenizers import models
 
     from promptstore._live._tokenizers import _PROBE
@@ -687,6 +688,7 @@ def test_a_tokenizer_from_a_folder_is_named_in_a_fresh_process_without_serialisi
     # Other merges the fixed probe text never meets (no "d" or "g" in it): only the file tells them apart.
     _fast_tokenizer(models.BPE(vocab, [(a, b), ("g", "d")], unk_token="[UNK]")).save_pretrained(other)
     memo = str(tmp_path / "digests.sqlite3")
+    (tmp_path / "first.json").write_bytes((folder / "tokenizer.json").read_bytes())
     first = _folder_identity(folder, memo)
     assert first["serialised"].count("BPE") == 1  # the first process serialises the vocabulary once
     fresh = _folder_identity(folder, memo)
@@ -703,6 +705,16 @@ def test_a_tokenizer_from_a_folder_is_named_in_a_fresh_process_without_serialisi
         edited = _folder_identity(folder, memo, edit)
         assert edited["identity"] != changed["identity"], edit
         assert edited["identity"] == _folder_identity(folder, "", edit)["identity"], edit
+    # The file rewritten after loading: the loaded tokenizer keeps its identity, and a later process that
+    # loads the rewritten file is not handed the old vocabulary's digest.
+    back = f"open(sys.argv[1] + '/tokenizer.json', 'wb').write(open({str(tmp_path / 'first.json')!r}, 'rb').read())"
+    rewritten = _folder_identity(folder, memo, back)
+    assert rewritten["identity"] == changed["identity"] and rewritten["tokens"] == changed["tokens"]
+    after = _folder_identity(folder, memo)
+    assert after["identity"] == first["identity"] and after["tokens"] == first["tokens"]
+    # Loaded without its files recorded: serialised in every process, with the same identity.
+    plain = [_folder_identity(folder, memo, how="plain") for _ in range(2)]
+    assert all("BPE" in p["serialised"] for p in plain) and plain[0]["identity"] == first["identity"]
 
 
 def test_a_tokenizer_identity_does_not_keep_the_tokenizer_alive():
