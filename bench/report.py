@@ -112,17 +112,21 @@ def phases_plot(runs: list[tuple[str, dict]], call: str = "generate", path: Path
 CHUNK_RUNS = ("chunk_quality_8x256.json", "chunk_quality_4x128.json", "chunk_quality_2x512.json")
 
 
+def _chunk_row(label: str, r: dict) -> str:
+    """A setting's speed and next-token quality columns (its name in bold for the default)."""
+    tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
+    name = f"**{label}**" if "default" in label else label
+    return (f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
+            f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} |")
+
+
 def chunk_table(run: dict) -> list[str]:
     """One passage count's settings: speed and every quality measure, the goal setup's default in bold."""
     out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
            "| 32 greedy tokens all equal | greedy tokens equal before the first miss |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, r in run["results"].items():
-        tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
-        name = f"**{label}**" if "default" in label else label
-        out.append(f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
-                   f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} | {r['greedy_all']:.0%} | "
-                   f"{r['greedy_lead']:.1f} |")
+        out.append(f"{_chunk_row(label, r)} {r['greedy_all']:.0%} | {r['greedy_lead']:.1f} |")
     return out
 
 
@@ -166,14 +170,11 @@ def chunk_guard_table(run: dict) -> list[str]:
            "| moved tokens recomputed | guard: true KL over its bound | guard: Spearman (estimate, true KL) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, r in run["results"].items():
-        tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
         g = r.get("guard") or {}
         frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
         viol = f"{g['violations']:.0%}" if g.get("violations") is not None else "-"
         rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
-        name = f"**{label}**" if "default" in label else label
-        out.append(f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
-                   f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} | {frac} | {viol} | {rho} |")
+        out.append(f"{_chunk_row(label, r)} {frac} | {viol} | {rho} |")
     return out
 
 
