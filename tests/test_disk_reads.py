@@ -300,3 +300,53 @@ def test_a_store_reading_through_the_disk_tier_serves_the_bytes_written(tmp_path
         dst = np.zeros((33, 64), np.float32).T
         got = s.get(s.key("t", "a"), kind="t", into={"a": dst})
         assert got is not None and np.array_equal(dst, a) and got.tensors["i"].tolist() == list(range(7))
+
+
+def _mapped_files(tmp_path) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(str(tmp_path) in line and SUFFIX in line for line in maps)  # not the index's own maps
+
+
+def test_a_big_entry_is_read_by_mapping_its_file_and_stays_right_after_it_is_replaced(tmp_path):
+    """Entries of MAP_MIN_BYTES and more are served from a mapping of their file: the bytes written,
+    read-only, still right after the entry is replaced or evicted (files are renamed, never rewritten),
+    with no file descriptor held, and unmapped once the last array viewing them is gone."""
+    import gc
+    import os
+
+    from promptstore._tiers.disk import MAP_MIN_BYTES
+
+    t = tier(tmp_path)
+    big = RNG.standard_normal(MAP_MIN_BYTES // 4 + 10).astype(np.float32)
+    stored(t, "big", {"big": big, "small": np.arange(3)})
+    fds = len(os.listdir("/proc/self/fd"))
+    got = [t.get(key_of("big"), "test") for _ in range(20)]
+    assert _mapped_files(tmp_path) == 20  # mapped, not read: one mapping per get
+    assert len(os.listdir("/proc/self/fd")) == fds
+    first = got[0].tensors["big"]
+    assert np.array_equal(first, big) and not first.flags.writeable
+    stored(t, "big", {"big": big * 2, "small": np.arange(3)})  # replaced
+    assert np.array_equal(first, big)
+    assert np.array_equal(t.get(key_of("big"), "test").tensors["big"], big * 2)
+    assert t.delete(key_of("big"))
+    assert np.array_equal(first, big)
+    first.flags.writeable = True  # a private mapping: writing it never reaches the file
+    first[0] = 123.0
+    del got, first
+    gc.collect()
+    assert _mapped_files(tmp_path) == 0
+
+
+def test_a_flipped_byte_in_a_mapped_entry_is_a_warned_miss(tmp_path):
+    """The checksum is verified over the mapped bytes as over read ones."""
+    from promptstore._tiers.disk import MAP_MIN_BYTES
+
+    t = tier(tmp_path)
+    stored(t, "big", {"big": RNG.standard_normal(MAP_MIN_BYTES // 4 + 10).astype(np.float32)})
+    (path,) = (t.entries_dir).rglob("*" + SUFFIX)
+    raw = bytearray(path.read_bytes())
+    raw[-1000] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.warns(PromptStoreWarning, match="corrupt"):
+        assert t.get(key_of("big"), "test") is None
+    assert not path.exists()
