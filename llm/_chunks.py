@@ -55,6 +55,7 @@ from ._prefix import PrefixCache
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
 
 CHUNK_KIND = "llm.chunk"
+MOVES_KIND = "llm.chunk.moves"  # a live structure's pass of the move check, so a fresh process skips its forwards
 SELECTIONS = ("recent", "blend", "first", "query")
 # Chosen from measured quality and speed (BENCHMARKS.md, "Passages anywhere"; bench/chunk_quality.py).
 DEFAULT_RECOMPUTE = 0.10
@@ -164,8 +165,32 @@ class ChunkCache:
             raise UnsupportedModelError("ChunkCache does not serve sliding-window layers yet (its recompute mask "
                                         "ignores the window); PrefixCache serves this model exactly")
         self._inv_freq = freqs
-        _check_moves(self.model, self._inv_freq, self.prefix)
+        self._checked_moves(signature)
         self._checked = signature
+
+    def _checked_moves(self, signature: Any) -> None:
+        """The move check, once per live structure and rotary frequencies in any process sharing the store.
+
+        Whether keys move with a rotation depends on the architecture as it runs (the signature:
+        structure, settings, hooks, live code, dtypes, ambient state) and the frequencies it
+        rotates with, not on the weights' values. Only a pass is stored: a refused model is
+        probed, and refused, again each time.
+        """
+        import torch
+        import transformers
+
+        if signature is None:  # no live structure read yet: nothing to name a verdict by
+            _check_moves(self.model, self._inv_freq, self.prefix)
+            return
+        freqs = self._inv_freq.detach().to("cpu", torch.float64).numpy().tobytes()
+        key = self.store.key(MOVES_KIND, freqs, fingerprints=[repr(signature), f"shift={_SHIFT}",
+                                                              f"transformers={transformers.__version__}",
+                                                              f"torch={torch.__version__}"])
+        if self.store.get(key, kind=MOVES_KIND) is not None:
+            return
+        t0 = time.perf_counter()
+        _check_moves(self.model, self._inv_freq, self.prefix)
+        self.store.put(key, {"passed": np.ones(1, np.uint8)}, kind=MOVES_KIND, cost_s=time.perf_counter() - t0)
 
     # -- inputs ---------------------------------------------------------------------------
     def _segments(self, segments: Sequence[Any]) -> list[np.ndarray]:

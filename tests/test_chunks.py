@@ -566,3 +566,35 @@ def test_the_query_selection_leaves_the_models_identity_as_it_was(store):
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     cc.prefill([anchor, passages[0], passages[3], passages[1], passages[2], question])
     assert cc.stats["last"]["served"] > 0 and cc.stats["last"]["recomputed"] > 0
+
+
+def test_the_move_check_is_stored_per_live_structure_and_frequencies(tmp_path, monkeypatch):
+    """The move check's forwards run once per live structure and rotary frequencies, in any process
+    sharing the store (its verdict is stored, like PrefixCache's model check); a live change of either
+    runs it again, and a model that fails it is refused every time."""
+    import promptstore.llm._chunks as chunks
+
+    calls = []
+    real = chunks._check_moves
+    monkeypatch.setattr(chunks, "_check_moves", lambda *a: (calls.append(1), real(*a))[1])
+    store = PromptStore(tmp_path / "s", memory_bytes=0)
+    model = tiny_model()
+    ChunkCache(model, store=store)
+    assert len(calls) == 1
+    ChunkCache(model, store=PromptStore(tmp_path / "s"))  # another store on the folder: as a fresh process
+    ChunkCache(tiny_model(seed=3), store=store)  # other weights, same architecture
+    assert len(calls) == 1
+    rotary = model.model.rotary_emb
+    rotary.inv_freq.mul_(1.5)  # other frequencies, in place
+    cc = ChunkCache(model, store=store)
+    assert len(calls) == 2
+    model.config.rms_norm_eps = 1e-3  # a live setting: another structure
+    anchor, passages, question = segments(500, 1)
+    cc.prefill([anchor, passages[0], question])
+    assert len(calls) == 3
+    cohere, reason = llm_zoo.build("cohere")
+    assert cohere is not None, reason
+    for _ in range(2):
+        with pytest.raises(UnsupportedModelError, match="does not move"):
+            ChunkCache(cohere, store=store)
+    assert len(calls) == 5
