@@ -41,12 +41,13 @@ llamacpp-wheel: | $(PY)
 	  echo "building $(LLAMA_CPP) once into $(WHEELS) (about 6 minutes on 2 cores)"; \
 	  $(PIP) wheel --no-deps -w $(WHEELS) "$(LLAMA_CPP)"; }
 
-# The Redis tests start their own redis-server; install Debian's package when it is missing.
+# The Redis tests start their own redis-server, and a loopback Redis Cluster with redis-cli --cluster create;
+# install Debian's packages when either is missing.
 redis-server:
-	@command -v redis-server >/dev/null || { \
+	@{ command -v redis-server && command -v redis-cli; } >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; } || { \
-	  echo "redis-server is needed by the tests: install it (Debian/Ubuntu: apt-get install redis-server)"; exit 1; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server redis-tools >/dev/null; } || { \
+	  echo "redis-server and redis-cli are needed by the tests: install them (Debian/Ubuntu: apt-get install redis-server redis-tools)"; exit 1; }
 
 # The type checker first (strict on the core, which ships py.typed), then the suite.
 test: $(VENV)/.installed $(VENV)/.llamacpp redis-server

@@ -15,7 +15,7 @@ import pytest
 from promptstore._codec import decode, encode, prepare
 from promptstore._entry import Entry
 
-from redis_server import RedisServer  # noqa: F401 - test_redis.py imports it from here
+from redis_server import RedisClusterServers, RedisServer  # noqa: F401 - test_redis.py imports it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,6 +112,25 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real 3-primary Redis Cluster on loopback, shared by the tests that only read and write it."""
+    cluster = RedisClusterServers(3, folder=tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster):
+    """The cluster, every primary emptied for each test; any node's URL names the whole cluster."""
+    import redis
+
+    for node in redis_cluster.nodes:
+        if node.proc is not None:
+            redis.Redis.from_url(node.url).flushall()
+    return redis_cluster.url
 
 
 @pytest.fixture

@@ -19,6 +19,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(1000):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class RedisServer:
     """``start()``/``stop()``/``kill()``, or ``with RedisServer() as server: server.url``."""
 
@@ -98,6 +113,7 @@ class RedisClusterServers:
     def start(self) -> RedisClusterServers:
         for i in range(self.masters * (1 + self.replicas)):
             node = RedisServer(self.folder / f"node{i}")
+            node.port = free_cluster_port()
             node.extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                           "--cluster-node-timeout", str(self.node_timeout_ms),
                           "--cluster-require-full-coverage", "yes" if self.full_coverage else "no"]

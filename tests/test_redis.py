@@ -99,7 +99,7 @@ def test_server_killed_mid_run_then_back(tmp_path):
                 assert s.stats()["tiers"]["redis"]["available"] is False
                 server.start()  # same port, empty
                 redis_tier = s.tiers[-1]
-                redis_tier._down_until = 0.0  # skip the rest of the backoff instead of sleeping through it
+                redis_tier._down_until[:] = [0.0] * redis_tier.shards  # skip the rest of the backoff, not sleep
                 k2 = s.key("t", "after")
                 assert s.put(k2, {"x": arr(2)}, kind="t")
                 assert s.tiers[-1].contains(k2) == ""

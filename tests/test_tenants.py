@@ -16,7 +16,7 @@ from promptstore.errors import BundleError
 
 from conftest import FakeClock, make_entry
 
-TIERS = ["memory", "disk", "redis"]
+TIERS = ["memory", "disk", "redis", "redis cluster"]
 
 
 @pytest.fixture(params=TIERS)
@@ -27,8 +27,9 @@ def tenants(request, tmp_path):
         kw.update(memory_bytes="16MiB", disk_bytes=0)
     elif request.param == "disk":
         kw.update(path=tmp_path / "shared", memory_bytes=0)
-    else:
-        kw.update(memory_bytes=0, disk_bytes=0, redis_url=request.getfixturevalue("redis_url"))
+    else:  # one Redis server, or a 3-primary Redis Cluster (entries over 16 shards)
+        url = request.getfixturevalue("redis_url" if request.param == "redis" else "cluster_url")
+        kw.update(memory_bytes=0, disk_bytes=0, redis_url=url)
     north, south = PromptStore(namespace="north", **kw), PromptStore(namespace="south", **kw)
     keys = {}
     for store in (north, south):

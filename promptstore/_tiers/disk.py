@@ -776,7 +776,7 @@ def _mapped(fd: int, size: int) -> np.ndarray | None:
         return None
     region = (ctypes.c_uint8 * size).from_address(addr)
     weakref.finalize(region, _LIBC.munmap, addr, size)
-    return np.frombuffer(region, dtype=np.uint8)
+    return np.frombuffer(memoryview(region).cast("B"), dtype=np.uint8)
 
 
 def _file_bytes(fd: int) -> np.ndarray:
