@@ -52,7 +52,7 @@ def child(url: str, size: str, client: int, start_at: float) -> None:
 
 
 def round_(url: str, size: str, clients: int) -> dict:
-    start_at = time.time() + 1.5 + 0.2 * clients  # every client loaded and waiting
+    start_at = time.time() + 2.0 + 0.6 * clients  # every client loaded and waiting (2 cores)
     procs = [subprocess.Popen([sys.executable, __file__, "--child", url, size, str(c), repr(start_at)],
                               stdout=subprocess.PIPE, text=True) for c in range(clients)]
     res = []
