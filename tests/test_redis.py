@@ -17,7 +17,7 @@ from promptstore import PromptStore
 from promptstore._tiers.redis import RedisTier
 from promptstore.errors import ConfigError, PromptStoreWarning, TierUnavailableError
 
-from conftest import RedisServer, assert_same_tensors, run_python
+from conftest import RedisServer, assert_same_tensors, key_of, make_entry, run_python
 from tier_contract import TierContract
 
 
@@ -205,3 +205,21 @@ def test_cli_stats_shows_redis(tmp_path, redis_url):
     data = json.loads(subprocess.run([exe, "--dir", str(tmp_path / "s"), "--redis-url", redis_url, "--json", "stats"],
                                      capture_output=True, text=True, check=True).stdout)
     assert data["redis"]["entries"] == 1
+
+
+def test_a_user_whose_acl_forbids_info_still_gets_a_working_tier(redis_url):
+    """The tier asks INFO whether the server is a cluster node; a user not allowed INFO gets a standalone tier."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-info")
+    try:
+        url = redis_url.replace("redis://", "redis://limited:pw@")
+        with pytest.raises(redis.ResponseError):
+            redis.Redis.from_url(url).info("cluster")
+        tier = RedisTier(url, 1 << 20)
+        assert not tier.cluster and tier.available
+        e = make_entry(key_of("acl"), {"x": arr(3)})
+        assert tier.put(e) and tier.get(key_of("acl")) is not None
+    finally:
+        admin.execute_command("ACL", "DELUSER", "limited")

@@ -364,7 +364,7 @@ class RedisTier(Tier):
         down: BaseException | None = None
         try:
             self._r.ping()
-            cluster = cluster or bool(int(self._r.info("cluster").get("cluster_enabled", 0)))
+            cluster = cluster or self._is_cluster_node()
         except redis.AuthenticationError as exc:
             raise TierUnavailableError(f"Redis at {self.url_display} refused the credentials: {exc}") from None
         except redis.ResponseError as exc:
@@ -403,6 +403,14 @@ class RedisTier(Tier):
         self._no_script = redis.exceptions.NoScriptError
         if down is not None:
             self._went_down(down, 0)
+
+    def _is_cluster_node(self) -> bool:
+        """Whether the server is a Redis Cluster node (a user whose ACL forbids INFO: taken as not)."""
+        redis = _redis_module()
+        try:
+            return bool(int(self._r.info("cluster").get("cluster_enabled", 0)))
+        except redis.ResponseError:
+            return False
 
     # -- shards ----------------------------------------------------------------------------
     def _shard(self, hexkey: str) -> int:
