@@ -135,6 +135,26 @@ def greedy(model, cache, logits, n: int) -> list[int]:
     return out
 
 
+def build_prompts(tok, prompt_set: str, n: int, k: int, tokens: int) -> list[list[list[int]]]:
+    """``n`` prompts of the set, each [anchor, k passages of ``tokens`` tokens, question] as token ids."""
+    rng = np.random.default_rng(0)
+    want = max(3 * k, min(4 * n, 400))
+    if prompt_set == "chat":
+        pool = passage_pool(tok, tokens, want, rng)
+        anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
+        questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    else:
+        pool = passage_pool(tok, tokens, want, rng, offset=tokens // 3,
+                            tail=tok("\n\n", add_special_tokens=False)["input_ids"])
+        anchor = tok(PLAIN_ANCHOR, add_special_tokens=False)["input_ids"]
+        questions = [tok(q, add_special_tokens=False)["input_ids"] for q in PLAIN_QUESTIONS]
+    prompts = []
+    for i in range(n):
+        chosen = rng.choice(len(pool), size=k, replace=False)
+        prompts.append([anchor] + [pool[j] for j in chosen] + [questions[i % len(questions)]])
+    return prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--set", choices=("chat", "plain"), default="chat", help="the prompt set (see above)")
@@ -148,27 +168,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m-instruct")
-    rng = np.random.default_rng(0)
     k = args.passages
-    want = max(3 * k, min(4 * args.prompts, 400))
-    if args.set == "chat":
-        pool = passage_pool(tok, args.tokens, want, rng)
-        anchor = tok(ANCHOR, add_special_tokens=False)["input_ids"]
-        questions = [tok(q + END, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
-    else:
-        pool = passage_pool(tok, args.tokens, want, rng, offset=args.tokens // 3,
-                            tail=tok("\n\n", add_special_tokens=False)["input_ids"])
-        anchor = tok(PLAIN_ANCHOR, add_special_tokens=False)["input_ids"]
-        questions = [tok(q, add_special_tokens=False)["input_ids"] for q in PLAIN_QUESTIONS]
+    prompts = build_prompts(tok, args.set, args.prompts, k, args.tokens)
     folder = args.store or tempfile.mkdtemp(prefix="ps-chunks-")
     settings = [(label, r / args.tokens if r >= 1 else r, sel, bound) for label, r, sel, bound in SETTINGS
                 if not args.settings or label in args.settings]
     caches = {label: ChunkCache(model, tok, PromptStore(folder, memory_bytes=0), recompute=r, select=sel, max_kl=bound)
               for label, r, sel, bound in settings}
-    prompts = []
-    for i in range(args.prompts):
-        chosen = rng.choice(len(pool), size=k, replace=False)
-        prompts.append([anchor] + [pool[j] for j in chosen] + [questions[i % len(questions)]])
     # Warm: every passage stored once, after the anchor (the first cache computes what is missing).
     warm = caches[settings[0][0]]
     t0 = time.perf_counter()

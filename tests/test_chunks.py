@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 from promptstore.llm import ChunkCache, PrefixCache
-from promptstore.llm._chunks import CHUNK_KIND, _rotary_frequencies, _rotate
+from promptstore.llm._chunks import CHUNK_KIND, GUARD_SAFETY, _rotary_frequencies, _rotate
 
 import llm_zoo
 from conftest import run_python
@@ -450,8 +450,8 @@ def test_a_zero_bound_recomputes_everything_and_equals_a_full_prefill(tiny, stor
 
 
 def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
-    """Each step's estimate is KL(this budget || the previous one) (the first: against the stale KV); the
-    request ends with the first budget whose estimate is within the bound, and reports it."""
+    """Each step's estimate is GUARD_SAFETY x KL(this budget || the previous one) (the first: against the stale
+    KV); the request ends with the first budget whose estimate is within the bound, and reports it."""
     anchor, passages, question = segments(500, 5)
     segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
     ids = [t for s in segs for t in s]
@@ -461,7 +461,8 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
     for fraction in (0.0, 0.1, 0.2, 0.4, 0.8):
         logits[fraction] = ChunkCache(tiny, store=store, recompute=fraction, select="recent").prefill(segs)[1]
     lp = {f: torch.log_softmax(x.double(), -1) for f, x in logits.items()}
-    kl = {f: float((lp[f].exp() * (lp[f] - lp[g])).sum()) for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2), (0.8, 0.4))}
+    kl = {f: GUARD_SAFETY * float((lp[f].exp() * (lp[f] - lp[g])).sum())
+          for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2), (0.8, 0.4))}
     for bound in sorted(kl.values()):
         cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound * (1 + 1e-9))
         _, got = cc.prefill(segs)
