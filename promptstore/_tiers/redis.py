@@ -436,17 +436,21 @@ class RedisTier(Tier):
     def _pattern(self, part: str) -> str:
         return f"{self.prefix}{{{self.prefix}*}}{part}" if self._tagged else self._k(0, part)
 
+    def _split(self, key: str) -> tuple[int, str]:
+        """A key of this tier as (its shard, what follows the shard's prefix)."""
+        rest = key[len(self.prefix):]
+        if not self._tagged:
+            return 0, rest
+        tag, _, after = rest[1 + len(self.prefix):].partition("}")
+        return int(tag), after
+
     def _shard_of_key(self, key: bytes) -> int:
         """The shard a key of this tier lives in (from its hash tag)."""
-        if not self._tagged:
-            return 0
-        rest = key.decode()[len(self.prefix) + 1 + len(self.prefix):]
-        return int(rest[: rest.index("}")])
+        return self._split(key.decode())[0]
 
     def _unshard(self, key: str) -> str:
         """What follows a key's shard prefix."""
-        rest = key[len(self.prefix):]
-        return rest[rest.index("}") + 1:] if self._tagged else rest
+        return self._split(key)[1]
 
     def _scan(self, part: str) -> list[bytes]:
         """Keys matching ``part`` in every shard that answers (on a cluster, node by node: one down
