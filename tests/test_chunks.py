@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 from promptstore.llm import ChunkCache, PrefixCache
-from promptstore.llm._chunks import CHUNK_KIND, GUARD_SAFETY, _rotary_frequencies, _rotate
+from promptstore.llm._chunks import CHUNK_KIND, GUARD_EXACT_ABOVE, GUARD_SAFETY, _rotary_frequencies, _rotate
 
 import llm_zoo
 from conftest import run_python
@@ -451,7 +451,8 @@ def test_a_zero_bound_recomputes_everything_and_equals_a_full_prefill(tiny, stor
 
 def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
     """Each step's estimate is GUARD_SAFETY x KL(this budget || the previous one) (the first: against the stale
-    KV); the request ends with the first budget whose estimate is within the bound, and reports it."""
+    KV); the request ends with the first budget whose estimate is within the bound, and reports it. A doubling
+    past GUARD_EXACT_ABOVE of the moved tokens is the exact prefill instead."""
     anchor, passages, question = segments(500, 5)
     segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
     ids = [t for s in segs for t in s]
@@ -462,17 +463,31 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
         logits[fraction] = ChunkCache(tiny, store=store, recompute=fraction, select="recent").prefill(segs)[1]
     lp = {f: torch.log_softmax(x.double(), -1) for f, x in logits.items()}
     kl = {f: GUARD_SAFETY * float((lp[f].exp() * (lp[f] - lp[g])).sum())
-          for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2), (0.8, 0.4))}
-    for bound in sorted(kl.values()):
+          for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2))}
+    assert 2 * 0.4 > GUARD_EXACT_ABOVE >= 0.4
+    full = full_logits(tiny, ids)
+    for bound in [*sorted(kl.values()), 0.999 * min(kl.values())]:
         cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound * (1 + 1e-9))
+        passes = []  # how many moved tokens each repair pass recomputed (the rest of a run is the question)
+        repair = cc._repair
+
+        def counted(ids_, buffers, run, stop_, repair=repair, passes=passes):
+            passes.append(int(np.count_nonzero(run < len(ids) - len(question))))
+            return repair(ids_, buffers, run, stop_)
+
+        cc._repair = counted
         _, got = cc.prefill(segs)
-        stop = next(f for f in kl if kl[f] <= bound * (1 + 1e-9))
+        stop = next((f for f in kl if kl[f] <= bound * (1 + 1e-9)), 1.0)
+        assert passes == [round(f * moved) for f in (0.1, 0.2, 0.4, 1.0) if f <= stop], passes
         last = cc.stats["last"]
         assert last["recomputed"] == round(stop * moved), (bound, kl)
         assert last["fraction"] == last["recomputed"] / moved
-        assert last["estimate"] == pytest.approx(kl[stop], rel=1e-3, abs=1e-7)
-        assert (got - logits[stop]).abs().max().item() <= ATOL
-    assert (full_logits(tiny, ids) - logits[0.8]).abs().max().item() > ATOL  # the budgets do differ from exact
+        if stop == 1.0:  # 0.8 was never tried: the exact prefill
+            assert last["estimate"] == 0.0 and (got - full).abs().max().item() <= ATOL
+        else:
+            assert last["estimate"] == pytest.approx(kl[stop], rel=1e-3, abs=1e-7)
+            assert (got - logits[stop]).abs().max().item() <= ATOL
+    assert (full - logits[0.8]).abs().max().item() > ATOL  # the budgets do differ from exact
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
