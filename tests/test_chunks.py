@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 from promptstore.llm import ChunkCache, PrefixCache
-from promptstore.llm._chunks import CHUNK_KIND, GUARD_EXACT_ABOVE, GUARD_SAFETY, _rotary_frequencies, _rotate
+from promptstore.llm._chunks import CHUNK_KIND, GUARD_EXACT_ABOVE, GUARD_FALL, GUARD_SAFETY, _rotary_frequencies, _rotate
 
 import llm_zoo
 from conftest import run_python
@@ -452,7 +452,8 @@ def test_a_zero_bound_recomputes_everything_and_equals_a_full_prefill(tiny, stor
 def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
     """Each step's estimate is GUARD_SAFETY x KL(this budget || the previous one) (the first: against the stale
     KV); the request ends with the first budget whose estimate is within the bound, and reports it. A doubling
-    past GUARD_EXACT_ABOVE of the moved tokens is the exact prefill instead."""
+    past GUARD_EXACT_ABOVE of the moved tokens, or an estimate over GUARD_FALL ** (budgets left) x the bound,
+    is the exact prefill instead."""
     anchor, passages, question = segments(500, 5)
     segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
     ids = [t for s in segs for t in s]
@@ -466,7 +467,15 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
           for f, g in ((0.1, 0.0), (0.2, 0.1), (0.4, 0.2))}
     assert 2 * 0.4 > GUARD_EXACT_ABOVE >= 0.4
     full = full_logits(tiny, ids)
-    for bound in [*sorted(kl.values()), 0.999 * min(kl.values())]:
+    left = {0.1: 2, 0.2: 1, 0.4: 0}  # budgets still to try before exact
+    hopeless = kl[0.1] / GUARD_FALL ** left[0.1]  # over this, 10% cannot come within the bound by 40%
+    for bound in [*sorted(kl.values()), 0.999 * min(kl.values()), hopeless / 1.01, hopeless * 1.01]:
+        tried = []
+        for f in (0.1, 0.2, 0.4):
+            tried.append(f)
+            if kl[f] <= bound * (1 + 1e-9) or kl[f] > bound * (1 + 1e-9) * GUARD_FALL ** left[f]:
+                break
+        stop = tried[-1] if kl[tried[-1]] <= bound * (1 + 1e-9) else 1.0
         cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound * (1 + 1e-9))
         passes = []  # how many moved tokens each repair pass recomputed (the rest of a run is the question)
         repair = cc._repair
@@ -477,8 +486,7 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
 
         cc._repair = counted
         _, got = cc.prefill(segs)
-        stop = next((f for f in kl if kl[f] <= bound * (1 + 1e-9)), 1.0)
-        assert passes == [round(f * moved) for f in (0.1, 0.2, 0.4, 1.0) if f <= stop], passes
+        assert passes == [round(f * moved) for f in tried + [1.0] * (stop == 1.0)], (bound, kl, passes)
         last = cc.stats["last"]
         assert last["recomputed"] == round(stop * moved), (bound, kl)
         assert last["fraction"] == last["recomputed"] / moved
@@ -488,6 +496,19 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
             assert last["estimate"] == pytest.approx(kl[stop], rel=1e-3, abs=1e-7)
             assert (got - logits[stop]).abs().max().item() <= ATOL
     assert (full - logits[0.8]).abs().max().item() > ATOL  # the budgets do differ from exact
+
+
+def test_a_guard_from_no_recompute_tries_the_smallest_budget_first(tiny, store):
+    """recompute=0 gives the guard no estimate (a budget that recomputes nothing is no evidence): it tries 5%,
+    not the exact prefill, however loose the bound."""
+    anchor, passages, question = segments(500, 6)
+    segs = [anchor, passages[3], passages[1], passages[0], passages[2], question]
+    ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])
+    moved = sum(len(p) for p in segs[2:-1])
+    cc = ChunkCache(tiny, store=store, recompute=0.0, select="recent", max_kl=1e9)
+    cc.prefill(segs)
+    last = cc.stats["last"]
+    assert last["recomputed"] == round(0.05 * moved) and 0.0 < last["estimate"] <= 1e9
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
