@@ -26,6 +26,7 @@ from chunk_quality import build_prompts  # noqa: E402
 
 from promptstore import PromptStore  # noqa: E402
 from promptstore.llm import ChunkCache, load_model  # noqa: E402
+from promptstore.llm._chunks import GUARD_EXACT_ABOVE, GUARD_FALL, GUARD_SAFETY  # noqa: E402
 
 BUDGETS = (0.0, 0.1, 0.2, 0.4, 0.8)
 
@@ -34,22 +35,34 @@ def kl(p_lp: torch.Tensor, q_lp: torch.Tensor) -> float:
     return float((p_lp.exp() * (p_lp - q_lp)).sum())
 
 
-def simulate(rows: list[dict], bound: float, estimator) -> dict:
+def simulate(rows: list[dict], bound: float, estimator, exact_above: float = 1.0, fall: float | None = None) -> dict:
     """The guard's doubling run on the recorded budgets, with ``estimator(steps)`` read at each one: the
-    share of requests whose accepted budget is farther than ``bound`` from the full prefill, and the
-    fraction recomputed (1.0 for a request that went to the exact prefill)."""
-    over, fractions = [], []
+    share of requests whose accepted budget is farther than ``bound`` from the full prefill, the fraction
+    recomputed (1.0 for a request that went to the exact prefill) and the work (the moved tokens of every
+    pass, the exact prefill counted as 1). ``exact_above``: a budget over it is the exact prefill instead
+    (GUARD_EXACT_ABOVE); ``fall``: an estimate over ``bound * fall ** (budgets left)`` goes exact at once
+    (GUARD_FALL)."""
+    tried = [b for b in BUDGETS[1:] if b <= exact_above]
+    over, fractions, work = [], [], []
     for r in rows:
-        for i in range(1, len(BUDGETS)):
-            if estimator(r["step"][:i]) <= bound:
-                over.append(r["true"][i] > bound)
-                fractions.append(BUDGETS[i])
+        spent, accepted = 0.0, None
+        for i, budget in enumerate(tried):
+            spent += budget
+            estimate = estimator(r["step"][:i + 1])
+            if estimate <= bound:
+                accepted = budget
+                over.append(r["true"][i + 1] > bound)
                 break
-        else:
+            if fall is not None and estimate > bound * fall ** (len(tried) - 1 - i):
+                break
+        if accepted is None:
+            accepted, spent = 1.0, spent + 1.0
             over.append(False)
-            fractions.append(1.0)
+        fractions.append(accepted)
+        work.append(spent)
     return {"violations": float(np.mean(over)), "fraction": float(np.mean(fractions)),
-            "exact": float(np.mean([f == 1.0 for f in fractions]))}
+            "exact": float(np.mean([f == 1.0 for f in fractions])), "work": float(np.mean(work)),
+            "work_max": float(np.max(work))}
 
 
 def neighbour(steps: list[float]) -> float:
@@ -79,10 +92,18 @@ def report(paths: list[Path]) -> None:
             for name, est in (("neighbour", neighbour), ("tail q0=1", tail),
                               ("tail q0=0.5", lambda s: tail(s, 0.5)),
                               ("neighbour x2", lambda s: 2 * s[-1]), ("neighbour x4", lambda s: 4 * s[-1]),
-                              ("neighbour x10", lambda s: 10 * s[-1])):
-                res = simulate(rows, bound, est)
-                print(f"  bound {bound:<5} {name:14s} violations {res['violations']:5.1%}  "
-                      f"fraction {res['fraction']:.2f}  exact {res['exact']:.0%}")
+                              ("neighbour x6", lambda s: 6 * s[-1]), ("neighbour x10", lambda s: 10 * s[-1])):
+                show(f"  bound {bound:<5} {name:14s}", simulate(rows, bound, est))
+            six = lambda s: GUARD_SAFETY * s[-1]  # noqa: E731
+            show(f"  bound {bound:<5} x6, exact>{GUARD_EXACT_ABOVE:g}", simulate(rows, bound, six, GUARD_EXACT_ABOVE))
+            for fall in (8.0, GUARD_FALL, 3.0, 2.0):
+                show(f"  bound {bound:<5} x6, exact>{GUARD_EXACT_ABOVE:g}, fall {fall:g}",
+                     simulate(rows, bound, six, GUARD_EXACT_ABOVE, fall))
+
+
+def show(label: str, res: dict) -> None:
+    print(f"{label:34s} violations {res['violations']:5.1%}  fraction {res['fraction']:.2f}  exact {res['exact']:.0%}"
+          f"  work {res['work']:.2f} (max {res['work_max']:.2f})")
 
 
 def main() -> None:
