@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -166,15 +167,18 @@ SELECT_COLOURS = {"recent": "tab:blue", "blend": "tab:orange", "first": "tab:gre
 
 def chunk_guard_table(run: dict) -> list[str]:
     """One prompt set's settings (issue #25's runs): speed, quality, and the guard's own figures."""
+    n = run.get("greedy") or 0
+    greedy = f" {n} greedy tokens all equal | greedy tokens equal before the first miss |" if n else ""
     out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
-           "| moved tokens recomputed | guard: true KL over its bound | guard: Spearman (estimate, true KL) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| moved tokens recomputed | guard: true KL over its bound | guard: Spearman (estimate, true KL) |" + greedy,
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if n else "")]
     for label, r in run["results"].items():
         g = r.get("guard") or {}
         frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
         viol = f"{g['violations']:.0%}" if g.get("violations") is not None else "-"
         rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
-        out.append(f"{_chunk_row(label, r)} {frac} | {viol} | {rho} |")
+        more = f" {r['greedy_all']:.0%} | {r['greedy_lead']:.1f} |" if n else ""
+        out.append(f"{_chunk_row(label, r)} {frac} | {viol} | {rho} |" + more)
     return out
 
 
@@ -426,6 +430,13 @@ def headline(llm: dict | None, llama: dict | None, vision: dict | None, store: d
 
 def main() -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:2] == ["--chunk-sets"]:
+        # Issue #25's runs (bench/chunk_quality.py --set chat|plain): a table to paste, and a plot per set.
+        for name in sys.argv[2:]:
+            run = json.loads(Path(name).read_text())
+            print("\n".join(chunk_guard_table(run)))
+            print(chunk_sets_plot(run, PLOTS / f"chunk_quality_{run.get('set', 'chat')}.png"))
+        return
     store, llm, llama, vision, scaling = (load(n) for n in ("store_bench.json", "llm_ttft.json", "llama_cpp.json",
                                                             "vision_bench.json", "scaling.json"))
     m = (store or llm or vision or {}).get("machine", {})
