@@ -182,6 +182,9 @@ def chunk_guard_table(run: dict) -> list[str]:
     return out
 
 
+KL_FLOOR = 1e-4
+
+
 def chunk_sets_plot(run: dict, path: Path) -> str:
     """Quality (mean KL, top-1 on decisive prompts) against TTFT speed-up for every setting of one prompt set;
     the guard's operating points as stars."""
@@ -190,7 +193,8 @@ def chunk_sets_plot(run: dict, path: Path) -> str:
         colour = SELECT_COLOURS.get(r["select"], "grey") if r["recompute"] > 0 or r.get("max_kl") else "black"
         marker = "*" if r.get("max_kl") is not None else "o"
         size = 120 if marker == "*" else 40
-        for ax, y in ((left, r["kl_mean"]), (right, r["top1_decisive"])):
+        # An exact prefill's KL is float rounding (1e-8): drawn at the axis floor, not decades below the rest.
+        for ax, y in ((left, max(r["kl_mean"], KL_FLOOR)), (right, r["top1_decisive"])):
             ax.scatter(r["speedup"], y, c=colour, marker=marker, s=size)
             ax.annotate(label, (r["speedup"], y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     for sel, colour in SELECT_COLOURS.items():
@@ -204,7 +208,7 @@ def chunk_sets_plot(run: dict, path: Path) -> str:
         ax.axvline(5, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("TTFT speed-up over full prefill (x)")
         ax.grid(True, alpha=0.3)
-    left.set_ylabel("mean KL(full || cached), nats")
+    left.set_ylabel(f"mean KL(full || cached), nats (floor {KL_FLOOR:g})")
     right.set_ylabel("top-1 agreement, decisive prompts")
     left.legend(fontsize=7)
     fig.suptitle(f"ChunkCache, {run.get('set', 'chat')} prompts ({run['passages']} x {run['tokens']} tokens, "
