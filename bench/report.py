@@ -175,7 +175,7 @@ def chunk_guard_table(run: dict) -> list[str]:
     for label, r in run["results"].items():
         g = r.get("guard") or {}
         frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
-        viol = f"{g['violations']:.0%}" if g.get("violations") is not None else "-"
+        viol = f"{g['violations']:.1%}" if g.get("violations") is not None else "-"
         rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
         more = f" {r['greedy_all']:.0%} | {r['greedy_lead']:.1f} |" if n else ""
         out.append(f"{_chunk_row(label, r)} {frac} | {viol} | {rho} |" + more)
