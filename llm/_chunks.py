@@ -121,7 +121,7 @@ class ChunkCache:
             prefill, until the request's estimated KL from a full prefill is within it.
 
     Raises:
-        InvalidInputError: ``recompute`` outside [0, 1], an unknown ``select``, ``max_kl`` negative.
+        InvalidInputError: ``recompute`` outside [0, 1], an unknown ``select``, ``max_kl`` negative or not finite.
         UnsupportedModelError: a model PrefixCache refuses, one without rotary positions
             (learned absolute positions, ALiBi), one whose keys do not move with a rotation
             (another RoPE layout, length-dependent RoPE), sliding-window layers, or an attention
@@ -142,8 +142,8 @@ class ChunkCache:
         if select not in SELECTIONS:
             raise InvalidInputError(f"select must be one of {SELECTIONS}, got {select!r}")
         if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float))
-                                   or not max_kl >= 0.0):
-            raise InvalidInputError(f"max_kl must be a number >= 0 (nats) or None, got {max_kl!r}")
+                                   or not 0.0 <= max_kl < float("inf")):
+            raise InvalidInputError(f"max_kl must be a finite number >= 0 (nats) or None, got {max_kl!r}")
         if select == "query":
             _query_parts(model)  # refuse, before any work, a model whose queries cannot be read
         self.prefix = PrefixCache(model, tokenizer, store, block_tokens)
@@ -296,7 +296,8 @@ class ChunkCache:
             # A budget that recomputed nothing more than the last is no evidence: it is never accepted.
             estimate = 0.0 if chosen.size >= total else GUARD_SAFETY * _kl(logits, stale) if chosen.size \
                 else float("inf")
-            while estimate > self.max_kl and chosen.size < total:
+            # A zero bound accepts only the exact prefill: two budgets can agree to the last bit.
+            while (estimate > self.max_kl or self.max_kl == 0.0) and chosen.size < total:
                 # Twice the budget (a superset: what was recomputed stays recomputed), up to all of it;
                 # no budget yet (inf) is no measure of how far off the request is.
                 hopeless = estimate != float("inf") and estimate > self.max_kl * GUARD_FALL ** _doublings_left(fraction)

@@ -212,7 +212,8 @@ def test_flash_style_kernels_without_a_mask_are_refused(store):
 
 
 @pytest.mark.parametrize("kwargs", [{"recompute": 1.5}, {"recompute": -0.1}, {"recompute": True}, {"select": "best"},
-                                    {"max_kl": -0.1}, {"max_kl": "0.1"}, {"max_kl": float("nan")}, {"max_kl": True}])
+                                    {"max_kl": -0.1}, {"max_kl": "0.1"}, {"max_kl": float("nan")}, {"max_kl": True},
+                                    {"max_kl": float("inf")}])
 def test_bad_settings_are_refused(tiny, store, kwargs):
     with pytest.raises(InvalidInputError):
         ChunkCache(tiny, store=store, **kwargs)
@@ -436,7 +437,7 @@ def test_the_query_selection_refuses_a_model_whose_queries_it_cannot_read(store,
 
 @pytest.mark.parametrize("select", ["recent", "query", "blend"])
 def test_a_zero_bound_recomputes_everything_and_equals_a_full_prefill(tiny, store, select):
-    """The guard doubles the recomputed fraction until its estimate is within the bound: with 0, up to all of it."""
+    """A zero bound accepts only the exact prefill (every moved token recomputed), whatever the estimates."""
     cc, diffs = run_orders(tiny, store, 0.1, select, 500)
     cc.max_kl = 0.0
     anchor, passages, question = segments(500, 0)
@@ -469,6 +470,7 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
     full = full_logits(tiny, ids)
     left = {0.1: 2, 0.2: 1, 0.4: 0}  # budgets still to try before exact
     hopeless = kl[0.1] / GUARD_FALL ** left[0.1]  # over this, 10% cannot come within the bound by 40%
+    outcomes = set()
     for bound in [*sorted(kl.values()), 0.999 * min(kl.values()), hopeless / 1.01, hopeless * 1.01]:
         tried = []
         for f in (0.1, 0.2, 0.4):
@@ -476,6 +478,7 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
             if kl[f] <= bound * (1 + 1e-9) or kl[f] > bound * (1 + 1e-9) * GUARD_FALL ** left[f]:
                 break
         stop = tried[-1] if kl[tried[-1]] <= bound * (1 + 1e-9) else 1.0
+        outcomes.add((len(tried), stop))
         cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound * (1 + 1e-9))
         passes = []  # how many moved tokens each repair pass recomputed (the rest of a run is the question)
         repair = cc._repair
@@ -496,6 +499,7 @@ def test_the_guard_stops_at_the_first_budget_within_its_bound(tiny, store):
             assert last["estimate"] == pytest.approx(kl[stop], rel=1e-3, abs=1e-7)
             assert (got - logits[stop]).abs().max().item() <= ATOL
     assert (full - logits[0.8]).abs().max().item() > ATOL  # the budgets do differ from exact
+    assert (1, 1.0) in outcomes and any(stop < 1.0 for _, stop in outcomes), outcomes  # both ends were reached
 
 
 def test_a_guard_from_no_recompute_tries_the_smallest_budget_first(tiny, store):
