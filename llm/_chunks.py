@@ -50,8 +50,9 @@ from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, copy_block, host_view, kv_layers, make_cache
 from ._counts import Counts
-from ._inputs import check_lengths
+from ._inputs import check_generation, check_lengths
 from ._prefix import PrefixCache
+from ._verify import refuted
 
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
 
@@ -253,6 +254,8 @@ class ChunkCache:
         need = len(ids) + RESERVE_TOKENS
         buffers = pc._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_exact = pc._lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
+        if refuted(pc._request_root()) or (n_exact and not pc._verified(ids, buffers, n_exact)):
+            return self._from_scratch(ids, stop)
         # Where each position's KV comes from: SERVED exactly, STORED passage KV, or COMPUTED now.
         source = np.full(len(ids), COMPUTED, np.int8)
         source[:n_exact] = SERVED
@@ -317,6 +320,13 @@ class ChunkCache:
         last.estimate = estimate
         cache = make_cache(buffers, stop, self.model.config)
         return cache, logits
+
+    def _from_scratch(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
+        """The prompt's first ``stop`` tokens in one plain forward, nothing read or stored: a refuted live state."""
+        cache, logits, _ = self.prefix._forward(ids, 0, stop, None)
+        last = self._last = _Stats()
+        last.queried, last.requests, last.computed = len(ids), 1, len(ids)
+        return cache, logits[0, -1]
 
     def _repair(self, ids: np.ndarray, buffers: tuple[Any, Any], run: np.ndarray, stop: int) -> Any:
         """Compute the tokens at ``run`` (and their KV) over the stored KV of the rest; the last scores or None."""
@@ -535,8 +545,8 @@ class ChunkCache:
         import torch
 
         segs = self._segments(segments)
-        if generate_kwargs.get("num_beams", 1) != 1 or generate_kwargs.get("num_return_sequences", 1) != 1:
-            raise InvalidInputError("ChunkCache.generate serves one sequence: num_beams and num_return_sequences must be 1")
+        # Resolved as model.generate resolves them (kwargs, a passed generation_config, the model's own).
+        check_generation(self.model, generate_kwargs, "ChunkCache.generate")
         if generate_kwargs.pop("attention_mask", None) is not None:
             raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
         ids = np.concatenate(segs)

@@ -8,7 +8,9 @@ __all__ = ["Counts"]
 class Counts:
     """Token counters of a request, or of all requests (``add``)."""
 
-    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests")
+    # verified: hits whose served KV was recomputed in part and compared; refuted: those that
+    # disagreed (computed from scratch instead).
+    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests", "verified", "refuted")
 
     def __init__(self) -> None:
         for name in self.FIELDS:

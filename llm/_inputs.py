@@ -65,7 +65,7 @@ def resolve_generation(model: Any, kwargs: Mapping[str, Any]) -> Any:
     return config
 
 
-def check_generation(model: Any, kwargs: Mapping[str, Any]) -> None:
+def check_generation(model: Any, kwargs: Mapping[str, Any], what: str = "PrefixCache.generate") -> None:
     """Refuse the generation settings PrefixCache cannot serve, wherever they were set.
 
     One sequence, greedy or sampled, over the dynamic cache PrefixCache hands in: beams and
@@ -95,7 +95,10 @@ def check_generation(model: Any, kwargs: Mapping[str, Any]) -> None:
         refused.append("dola_layers")
     if kwargs.get("custom_generate") is not None:
         refused.append("custom_generate")
+    if kwargs.get("inputs_embeds") is not None:
+        # Served KV is keyed by token ids: embeddings that differ from the ids' would be served the ids' KV.
+        refused.append("inputs_embeds (the cache is keyed by token ids: pass the ids)")
     if refused:
-        raise InvalidInputError(f"PrefixCache.generate serves one sequence over its own dynamic cache; these "
+        raise InvalidInputError(f"{what} serves one sequence over its own dynamic cache; these "
                                 f"generation settings (kwargs, generation_config or the model's own) cannot be "
                                 f"served: {', '.join(refused)}")

@@ -49,6 +49,7 @@ from ._counts import Counts
 from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
 from ._states import STATE_KIND, read_states, restore_states, states_fit
+from ._verify import InForward, Refuted, Verdict, confirm, refute, refuted, tolerance, verify_served, works_on
 
 __all__ = ["PrefixCache", "KIND"]
 
@@ -104,16 +105,22 @@ class PrefixCache:
             stored as well, so reuse is token-granular whatever the block size.
         kv_dtype: ``None`` stores the model's own KV dtype (exact). ``torch.float16`` or
             ``torch.bfloat16`` halve the bytes of fp32 KV at a small, measured score error.
+        verify: recompute a few served positions of every hit and compare their KV (see
+            _verify.py); a hit that disagrees is computed from scratch. ``False`` serves on
+            the keys alone.
 
     Raises:
         InvalidInputError: bad block size or kv_dtype.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, block_tokens: int = 64,
-                 kv_dtype: Any = None) -> None:
+                 kv_dtype: Any = None, verify: bool = True) -> None:
         if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidInputError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if not isinstance(verify, bool):
+            raise InvalidInputError(f"verify must be True or False, got {verify!r}")
         self.model = model
+        self.verify = verify
         self.tokenizer = tokenizer
         self.store = store if store is not None else PromptStore()
         self.block_tokens = block_tokens
@@ -125,6 +132,9 @@ class PrefixCache:
         # projection per prompt token.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._layout: tuple[Any, tuple[Layout, States]] | None = None
+        self._checkable = False  # whether served positions can be recomputed on this live structure (_verify.py)
+        self._check: InForward | None = None  # this request's check, carried by its next forward
+        self._in_forward = False  # whether the check can ride in the request's forward (else a forward of its own)
         self._structure: tuple[str, list[tuple[str, Any]]] | None = None  # this request's live model structure
         self._buffers = KVBuffers()  # host KV buffers reused across requests, pinned slots for copies to a GPU
         warm_allocator()
@@ -187,7 +197,17 @@ class PrefixCache:
             raise UnsupportedModelError(f"PrefixCache under torch.autocast ({cast}): its KV mixes dtypes (autocast "
                                         "keys, full-precision values), so no stored block could be served; call it "
                                         "outside autocast, or convert the model (model.to(dtype))")
+        peft = getattr(self.model, "peft_config", None)
+        if isinstance(peft, Mapping) and any(getattr(c, "is_prompt_learning", False) for c in peft.values()):
+            # Virtual tokens are prepended inside the model's forward: stored KV would sit at other
+            # positions than its token ids say, and a recompute never runs them the same way.
+            raise UnsupportedModelError(f"{type(self.model).__name__} carries a peft prompt-learning adapter (prompt, "
+                                        "prefix or p-tuning: virtual tokens the token ids do not show); merge or "
+                                        "remove it, or call the model without PrefixCache")
         self._structure = model_structure(self.model)
+        if any(getattr(t, "is_meta", False) for _, t in self._structure[1]):
+            raise UnsupportedModelError(f"{type(self.model).__name__} has tensors on the meta device (no values): load "
+                                        "its weights before serving it")
         # Dtypes read from the tensors themselves: .half() keeps every Parameter object.
         # The cache classes' code too: a model with running states is run in pieces on a miss, which
         # is exact only while the code that passed the pieces check is what runs.
@@ -195,6 +215,9 @@ class PrefixCache:
                      self._structure[0], ambient_fingerprint(), cache_code_fingerprint())
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))
+            works = works_on(self.model, self.store, signature, self._layout[1][0], self._cache_arg)
+            self._checkable = not self._layout[1][1] and works.alone
+            self._in_forward = self._checkable and works.in_forward
 
     def _new_request(self) -> None:
         """What a request starts from: the weights as they are now (root key) and the current layout."""
@@ -279,8 +302,15 @@ class PrefixCache:
         self._new_request()
         return self._lookup(ids)
 
-    def _lookup(self, ids: np.ndarray) -> tuple[Any, int]:
+    def _lookup(self, ids: np.ndarray, in_forward: bool = False) -> tuple[Any, int]:
+        """The longest stored prefix of ``ids`` as a cache, checked (see _verify.py).
+
+        ``in_forward``: the caller runs a forward over the returned cache next and carries the
+        check in it (``self._check``), where the cache allows; otherwise the check runs here, in
+        a forward of its own.
+        """
         self._parted = 0
+        self._check = None
         usable = len(ids) - 1
         n_blocks = -(-usable // self.block_tokens)
         if n_blocks == 0:
@@ -292,6 +322,14 @@ class PrefixCache:
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_cached = self._lookup_into(ids, buffers)
+        if n_cached and in_forward and self._checks() and self._in_forward and not self._states():
+            cache = make_cache(buffers, n_cached, self.model.config)
+            if InForward.fits(self.model, cache):
+                self._check = InForward(self.model, cache, ids, n_cached, self._bound(), self._cache_arg)
+                self._parted = n_cached
+                return cache, n_cached
+        if n_cached and not self._verified(ids, buffers, n_cached):
+            return None, 0
         self._parted = n_cached  # where this prompt parts from every stored one (KV), before any state point
         state = None
         if self._states() and n_cached:
@@ -302,6 +340,55 @@ class PrefixCache:
         if state is not None:
             restore_states(cache, state, self.model.device)
         return cache, n_cached
+
+    def _verified(self, ids: np.ndarray, buffers: tuple[Any, Any], n: int) -> bool:
+        """Whether the ``n`` tokens read into ``buffers`` are what the model computes now (see _verify.py).
+
+        True where nothing can be checked (verification off, a model with running states, an
+        architecture the check does not run on). False refutes the request's root key: this
+        request runs from scratch, and nothing is stored under the key until a check passes again.
+        """
+        if not self._checks():
+            return not refuted(self._request_root())
+        return self._judged(verify_served(self.model, self._cache_arg, buffers, n, ids, self._bound()))
+
+    def _checks(self) -> bool:
+        return self.verify and self._checkable
+
+    def _bound(self) -> float:
+        dtype = str(self._get_layout()[4]).replace("torch.", "")
+        return tolerance(*{_KV_DTYPES.get(dtype, "BF16"), _KV_DTYPES[self.kv_dtype]} - {None})
+
+    def _judged(self, verdict: Verdict | None) -> bool:
+        """Count a check's verdict, confirm or refute the request's root key by it; whether the hit stands."""
+        self._last.verified += 1
+        if verdict is None or verdict.ok:
+            confirm(self._request_root())
+            return True
+        refute(self._request_root(), verdict, type(self.model).__name__)
+        self._last.refuted += 1
+        return False
+
+    def _checked_run(self, ids: np.ndarray, run: Any) -> Any:
+        """``run()``: the request's forward(s) over the cache ``_lookup`` returned, carrying its check if one is due.
+
+        A check that fails aborts that forward (before any token is chosen from it): the hit is
+        refuted and ``run`` is called again with no cache (``self._check`` cleared), from scratch.
+        """
+        check = self._check
+        if check is None:
+            return run()
+        try:
+            with check:
+                out = run()
+        except Refuted as exc:
+            self._check = None
+            self._judged(exc.verdict)
+            self._parted = 0
+            return None
+        self._check = None
+        self._judged(check.verdict)
+        return out
 
     def _lookup_into(self, ids: np.ndarray, buffers: tuple[Any, Any]) -> int:
         """Read the longest stored prefix of ``ids`` (leaving the last token) into ``buffers``; its length."""
@@ -496,6 +583,8 @@ class PrefixCache:
     # -- storing --------------------------------------------------------------------------
     def _store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
                       seconds_per_token: float) -> None:
+        if refuted(self._request_root()):
+            return  # this live state is not what its key says: nothing is stored under it
         n = min(n_in_cache, len(ids))
         last_block = n // self.block_tokens
         if last_block <= first_block and n == last_block * self.block_tokens and not self._states():
@@ -664,8 +753,12 @@ class PrefixCache:
         """
         ids = self._ids(input_ids)
         self._begin(len(ids))
-        cache, n_cached = self._lookup(ids)
-        cache, logits, seconds = self._run(ids, n_cached, len(ids), cache, last_apart=True)
+        cache, n_cached = self._lookup(ids, in_forward=True)
+        ran = self._checked_run(ids, lambda: self._run(ids, n_cached, len(ids), cache, last_apart=True))
+        if ran is None:  # the hit was refuted: from scratch
+            cache, n_cached = None, 0
+            ran = self._run(ids, 0, len(ids), None, last_apart=True)
+        cache, logits, seconds = ran
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
         self._end()
@@ -700,7 +793,7 @@ class PrefixCache:
         check_generation(self.model, generate_kwargs)
         check_lengths(generate_kwargs, len(ids))
         self._begin(len(ids))
-        cache, n_cached = self._lookup(ids)
+        cache, n_cached = self._lookup(ids, in_forward=True)
         stop = len(ids) - 1
         first_block, ran_from = n_cached // self.block_tokens, n_cached
         if stop > n_cached and self._states():
@@ -709,25 +802,34 @@ class PrefixCache:
             cache, _, seconds = self._run(ids, n_cached, stop, cache)
             self._store_blocks(ids, cache, stop, first_block, seconds / (stop - n_cached))
             first_block, ran_from = stop // self.block_tokens, stop
-        if cache is None:
-            cache = self._miss_cache(len(ids))
-        if cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
-        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         full = torch.as_tensor(ids, device=self.model.device)[None]
-        generate_kwargs[self._cache_arg] = cache
-        # Otherwise model.generate runs every uncached token in its own first forward (it slices
-        # the prompt past what the cache holds), so a hit costs one pass over the weights, not two.
-        # The first scores it makes mark the end of that forward: its rate prices the blocks.
-        from transformers import LogitsProcessorList
+        user_processors = list(generate_kwargs.get("logits_processor") or [])
 
-        first = _FirstScores()
-        generate_kwargs["logits_processor"] = LogitsProcessorList([*(generate_kwargs.get("logits_processor") or []),
-                                                                   first])
-        t0 = time.perf_counter()
-        out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
+        def run(cache: Any) -> tuple[Any, Any, _FirstScores, float]:
+            if cache is None:
+                cache = self._miss_cache(len(ids))
+            if cache is None:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=self.model.config)
+            generate_kwargs[self._cache_arg] = cache
+            # Otherwise model.generate runs every uncached token in its own first forward (it slices
+            # the prompt past what the cache holds), so a hit costs one pass over the weights, not two;
+            # the hit's check rides in that forward too. The first scores it makes mark the end of that
+            # forward: its rate prices the blocks.
+            from transformers import LogitsProcessorList
+
+            first = _FirstScores()
+            generate_kwargs["logits_processor"] = LogitsProcessorList([*user_processors, first])
+            t0 = time.perf_counter()
+            return self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs), cache, first, t0
+
+        ran = self._checked_run(ids, lambda: run(cache))
+        if ran is None:  # the hit was refuted: from scratch
+            n_cached, first_block, ran_from = 0, 0, 0
+            ran = run(None)
+        out, cache, first, t0 = ran
+        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         if first.at is not None:
             self._prefill_tps = (len(ids) - ran_from) / max(first.at - t0, 1e-9)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

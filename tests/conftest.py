@@ -58,6 +58,17 @@ class FakeClock:
         self.now += seconds
 
 
+@pytest.fixture(autouse=True)
+def _forget_refuted_keys():
+    """A key refuted by one test's live change is not refuted in the next (a process would keep it)."""
+    yield
+    try:
+        from promptstore.llm._verify import forget_refuted
+    except ImportError:  # the llm extra is not installed
+        return
+    forget_refuted()
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

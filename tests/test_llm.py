@@ -16,6 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, ModelUnavailableError
 from promptstore.llm import PrefixCache, load_model
+from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit's verification recomputes
+from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit's verification recomputes
 
 from conftest import run_python
 from counting import Counting
@@ -104,11 +106,11 @@ def test_hit_runs_exactly_the_uncached_tokens(tiny, store):
     pc.prefill(ids[:70])  # stores blocks 0..3 (64 tokens) and the 6-token tail
     counter = TokenCounter(tiny)
     pc.prefill(ids)
-    assert pc.stats["last"] == {"queried": 100, "served": 70, "computed": 30, "generated": 0, "requests": 1}
-    assert counter.n == 30
+    assert pc.stats["last"] == {"queried": 100, "served": 70, "computed": 30, "generated": 0, "requests": 1, "verified": 1, "refuted": 0}
+    assert counter.n == 30 + CHECKED  # and the hit's check, in a forward of its own
     counter.n = 0
     pc.prefill(ids)  # now all 100 tokens are stored: only the last one runs
-    assert counter.n == 1 and pc.stats["last"]["served"] == 99
+    assert counter.n == 1 + CHECKED and pc.stats["last"]["served"] == 99
 
 
 def test_last_token_is_always_computed(tiny, store):
@@ -127,7 +129,7 @@ def test_lookup_miss_and_totals(tiny, store):
     assert pc.lookup([1, 2, 3]) == (None, 0)
     pc.prefill(list(range(40)))
     pc.prefill(list(range(40)) + [7, 8])
-    assert pc.stats["total"] == {"queried": 82, "served": 40, "computed": 42, "generated": 0, "requests": 2}
+    assert pc.stats["total"] == {"queried": 82, "served": 40, "computed": 42, "generated": 0, "requests": 2, "verified": 1, "refuted": 0}
 
 
 def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):
@@ -141,20 +143,22 @@ def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):
 
 def test_a_generate_hit_runs_the_uncached_tokens_in_one_forward(tiny, store):
     # One pass over the weights for the whole uncached part (model.generate's own first step),
-    # then one per generated token: no separate prefill of all but the last token first.
+    # then one per generated token: no separate prefill of all but the last token first (the
+    # hit's check is a forward of its own, over the checked positions only).
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     ids = np.random.default_rng(5).integers(0, 500, 90).tolist()
     pc.generate(ids[:70], max_new_tokens=1, do_sample=False)  # a miss: one forward of 70 tokens
     counter = TokenCounter(tiny)
     out = pc.generate(ids, max_new_tokens=4, do_sample=False)
     assert pc.stats["last"]["served"] == 70
-    assert counter.batches == [1] * 4 and counter.n == 20 + 3  # 20 uncached tokens, then 3 decode steps
+    # the check, 20 uncached tokens, then 3 decode steps
+    assert counter.batches == [1] * 5 and counter.n == CHECKED + 20 + 3
     assert out[0].tolist() == greedy(tiny, ids, n=4)
     # and the blocks of that forward were stored: the same prompt again computes only its last token
     expected = greedy(tiny, ids, n=1)
     counter.n = 0
     assert pc.generate(ids, max_new_tokens=1, do_sample=False)[0].tolist() == expected
-    assert pc.stats["last"]["served"] == 89 and counter.n == 1
+    assert pc.stats["last"]["served"] == 89 and counter.n == CHECKED + 1
 
 
 def test_a_request_of_the_same_size_reuses_the_buffers_an_earlier_one_let_go(tiny, store):
@@ -412,7 +416,7 @@ def test_a_prompt_diverging_inside_the_stored_tail_reuses_every_shared_token(tin
     pc.prefill(a)
     counter = TokenCounter(tiny)
     _, logits = pc.prefill(b)
-    assert pc.stats["last"]["served"] == 67 and counter.n == len(b) - 67
+    assert pc.stats["last"]["served"] == 67 and counter.n == len(b) - 67 + CHECKED
     assert (logits - full_logits(tiny, b)).abs().max().item() <= ATOL
 
 
@@ -486,7 +490,7 @@ def test_a_prompt_leaving_a_stored_full_block_part_way_reuses_every_shared_token
     _, logits = pc.prefill(second)
     common = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
     assert common >= len(doc)
-    assert pc.stats["last"]["served"] == common and counter.n == len(second) - common
+    assert pc.stats["last"]["served"] == common and counter.n == len(second) - common + CHECKED
     assert (logits - full_logits(tiny, second)).abs().max().item() <= ATOL
 
 
@@ -668,7 +672,7 @@ def test_a_one_token_tail_is_reused(tiny, store):
     pc.prefill(ids)
     counter = TokenCounter(tiny)
     _, logits = pc.prefill(ids + [3])
-    assert pc.stats["last"]["served"] == 17 and counter.n == 1
+    assert pc.stats["last"]["served"] == 17 and counter.n == 1 + CHECKED
     assert (logits - full_logits(tiny, ids + [3])).abs().max().item() <= ATOL
 
 

@@ -181,6 +181,15 @@ GROUPS = [
                  " and not trimmed_context_equals",
           # Its tests run open_clip towers on one thread: a survivor costs minutes.
           sample=12),
+    # Verified hits: which positions are recomputed, the comparison and its bound, what a refuted
+    # key stops, and the vision side's one re-encoded prompt.
+    Group("verify", {
+        "promptstore/llm/_verify.py": ("tolerance", "check_positions", "refuted", "refute", "confirm", "_layer_plan",
+                                       "verifiable", "verify_served", "_relative", "works_on", "_self_test"),
+        "promptstore/llm/_prefix.py": ("PrefixCache._verified", "PrefixCache._lookup"),
+        "promptstore/vision/_verify.py": ("feature_error", "check_feature")},
+          ("tests/test_verify.py", "tests/test_vision_verify.py"),
+          sample=4),
     # What a live model, tower or tokenizer is, as it runs now.
     Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
                        "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,
