@@ -27,6 +27,7 @@ from promptstore import PromptStore, make_key
 from promptstore.errors import InvalidInputError, ModelUnavailableError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
+from ._verify import Refuted, check_feature, warn_refuted
 
 __all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
            "TEXT_KIND", "PE_KIND", "SET_KIND", "NPZ_KIND"]
@@ -193,14 +194,19 @@ class Recipes:
         return self.store.key(SET_KIND, vocabulary_payload(names), fingerprints=[self.efp, str(self.dfp)])
 
 
-def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes) -> tuple[np.ndarray, np.ndarray]:
+def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
+                     probe: tuple[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Encode ``names`` in chunks, storing each chunk's text features as soon as it is done.
 
     An interrupted run (Ctrl-C, a crash) keeps every finished chunk, so running it again
-    encodes only the rest.
+    encodes only the rest. ``probe`` (a stored name and its stored feature) is encoded again
+    in the first chunk and compared before anything is stored (see _verify.py).
 
     Returns:
         ``(features, seconds per name)``, in the order of ``names``.
+
+    Raises:
+        Refuted: the probe's feature differs from what the encoder computes now.
     """
     feats = np.empty((len(names), encoder.dim), np.float32)
     cost = np.zeros(len(names))
@@ -209,9 +215,14 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes) -
                disable=None if len(names) > chunk else True)
     for lo in range(0, len(names), chunk):
         part = names[lo : lo + chunk]
+        checked = probe is not None and lo == 0
         t0 = time.perf_counter()
-        out = encoder.encode(part)
-        each = (time.perf_counter() - t0) / len(part)
+        out = encoder.encode([probe[0], *part] if checked else part)
+        each = (time.perf_counter() - t0) / (len(part) + checked)
+        if checked:
+            assert probe is not None
+            check_feature(probe[0], probe[1], out[0])
+            out = out[1:]
         for j, name in enumerate(part):
             recipes.store.put(recipes.text(name), {"text": out[j]}, kind=TEXT_KIND, cost_s=each,
                               meta={"name": name, "encoder": recipes.efp})
@@ -383,18 +394,36 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
             text[i], cost[i] = e.tensors["text"], e.cost_s
         else:
             need_text.append(i)
-    if need_text:
-        feats, each = encode_and_store(encoder, [names[i] for i in need_text], keys)
-        text[need_text], cost[need_text] = feats, each
+    # The encoder and the head run anyway: each also recomputes one stored entry, and a stored
+    # entry that differs from what they compute now is never served (see _verify.py).
+    hits = [i for i in range(len(names)) if i not in set(need_pe)]
+    try:
+        if need_text:
+            probe = _stored_text(names, [i for i in need_pe if i not in set(need_text)], text, hits, keys, encoder.dim)
+            feats, each = encode_and_store(encoder, [names[i] for i in need_text], keys, probe=probe)
+            text[need_text], cost[need_text] = feats, each
+        mapped, probe_pe = None, None
+        if need_pe:
+            t1 = time.perf_counter()
+            if kind == "yoloe":
+                probe_pe = next(((i, e.tensors["text"]) for i in hits[:1]
+                                 for e in [store.get(keys.text(names[i]), kind=TEXT_KIND)]
+                                 if e is not None and e.tensors.get("text", np.empty(0)).shape == (encoder.dim,)), None)
+                rows = text[need_pe] if probe_pe is None else np.concatenate([text[need_pe], probe_pe[1][None]])
+                param = next(inner.parameters())
+                with torch.inference_mode():
+                    x = torch.from_numpy(np.ascontiguousarray(rows, np.float32))[None].to(param.device, param.dtype)
+                    mapped = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
+                if probe_pe is not None:
+                    check_feature(names[probe_pe[0]], pe[probe_pe[0]], mapped[-1])
+                    mapped = mapped[:-1]
+            else:
+                mapped = text[need_pe]
+    except Refuted as exc:
+        warn_refuted("set_classes", exc)
+        return _without_store(model, names, encoder, kind, inner, t0)
     if need_pe:
-        t1 = time.perf_counter()
-        if kind == "yoloe":
-            param = next(inner.parameters())
-            with torch.inference_mode():
-                x = torch.from_numpy(text[need_pe])[None].to(param.device, param.dtype)
-                mapped = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
-        else:
-            mapped = text[need_pe]
+        assert mapped is not None
         each = (time.perf_counter() - t1) / len(need_pe)
         for j, i in enumerate(need_pe):
             pe[i] = mapped[j]
@@ -406,6 +435,35 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     _apply(model, names, pe)
     return ClassesReport(len(names), len(names) - len(need_pe), len(need_pe) - len(need_text), len(need_text),
                          time.perf_counter() - t0, encoder.loaded, False)
+
+
+def _stored_text(names: Sequence[str], text_hits: list[int], text: np.ndarray, pe_hits: list[int], keys: Recipes,
+                 dim: int) -> tuple[str, np.ndarray] | None:
+    """A name whose text feature is stored, and that feature: to encode again beside the misses."""
+    if text_hits:
+        return names[text_hits[0]], text[text_hits[0]]
+    for i in pe_hits[:1]:
+        e = keys.store.get(keys.text(names[i]), kind=TEXT_KIND)
+        if e is not None and e.tensors.get("text", np.empty(0)).shape == (dim,):
+            return names[i], e.tensors["text"]
+    return None
+
+
+def _without_store(model: Any, names: Sequence[str], encoder: TextEncoder, kind: str, inner: Any,
+                   t0: float) -> ClassesReport:
+    """Every name encoded and mapped now, nothing read from or written to the store: a refuted encoder."""
+    import torch
+
+    text = encoder.encode(list(names))
+    if kind == "yoloe":
+        param = next(inner.parameters())
+        with torch.inference_mode():
+            x = torch.from_numpy(np.ascontiguousarray(text, np.float32))[None].to(param.device, param.dtype)
+            pe = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
+    else:
+        pe = np.asarray(text, np.float32)
+    _apply(model, names, pe)
+    return ClassesReport(len(names), 0, 0, len(names), time.perf_counter() - t0, encoder.loaded, False)
 
 
 def _model_id(wrapper: Any) -> str:

@@ -31,6 +31,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
+from ._verify import Refuted, check_feature, warn_refuted
 
 __all__ = ["zero_shot_classifier", "CLASS_KIND", "CLASSIFIER_KIND"]
 
@@ -147,8 +148,15 @@ def zero_shot_classifier(model: Any, tokenizer: Any, classnames: Sequence[str],
             weights[i] = w
     if todo:
         try:
+            served = [i for i in range(len(names)) if i not in set(todo)]
             feats = _features(model, tokenizer, recipes, sorted({p for i in todo for p in prompts[i]}), per_forward,
-                              use_tqdm, device, dtype, dim)
+                              use_tqdm, device, dtype, dim, probes=[prompts[i][0] for i in served[:1]])
+        except Refuted as exc:
+            from open_clip import build_zero_shot_classifier
+
+            warn_refuted("zero_shot_classifier", exc)
+            return build_zero_shot_classifier(model, tokenizer, names, list(templates), num_classes_per_batch,
+                                              device, use_tqdm)
         except _NotAsKeyed as exc:
             # Nothing of this call is stored, and none of the store's entries is mixed in:
             # open_clip's own build, in whatever the tower does now.
@@ -243,9 +251,13 @@ def _dim(model: Any) -> int:
 
 
 def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], batch: int, use_tqdm: bool,
-              device: Any, dtype: Any, dim: int) -> dict[str, Any]:
+              device: Any, dtype: Any, dim: int, probes: Sequence[str] = ()) -> dict[str, Any]:
     """Each prompt's normalised feature (a CPU tensor of ``dtype``): from the store, or encoded
-    in batches stored as they finish."""
+    in batches stored as they finish. ``probes``: stored prompts to check if none of ``texts`` is.
+
+    Raises:
+        Refuted: a stored feature differs from what the tower computes now.
+    """
     import torch
 
     store = recipes.store
@@ -257,17 +269,34 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
             missing.append(t)
         else:
             out[t] = feat
+    # The tower runs anyway: one stored prompt (of these, else of a class served whole) is encoded
+    # again in the first batch and compared before anything is stored (see _verify.py).
+    probe = next(((t, out[t]) for t in texts if t in out), None)
+    for t in probes if probe is None and missing else ():
+        feat = _tensor(store.get(recipes.text(t), kind=TEXT_KIND), "text", (dim,), dtype)
+        if feat is not None:
+            probe = (t, feat)
+            break
     bar = tqdm(total=len(missing), desc="promptstore: encoding prompts", unit="prompt", leave=False,
                disable=not use_tqdm)
     with torch.no_grad():
         for lo in range(0, len(missing), batch):
             part = missing[lo : lo + batch]
+            checked = probe is not None and lo == 0
             t0 = time.perf_counter()
-            feats = model.encode_text(tokenizer(part).to(device), normalize=True).cpu()
-            each = (time.perf_counter() - t0) / len(part)
+            feats = model.encode_text(tokenizer([probe[0], *part] if checked else part).to(device), normalize=True).cpu()
+            each = (time.perf_counter() - t0) / (len(part) + checked)
             if feats.dtype != dtype or feats.shape[1:] != (dim,):
                 bar.close()
                 raise _NotAsKeyed(f"{feats.dtype} {tuple(feats.shape[1:])}")
+            if checked:
+                assert probe is not None
+                try:
+                    check_feature(probe[0], probe[1].float().numpy(), feats[0].float().numpy(), str(dtype))
+                except Refuted:
+                    bar.close()
+                    raise
+                feats = feats[1:]
             for text, f in zip(part, feats, strict=True):
                 store.put(recipes.text(text), {"text": _storable(f)}, kind=TEXT_KIND, cost_s=each,
                           meta={"name": text, "encoder": recipes.efp})

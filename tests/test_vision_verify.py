@@ -1,0 +1,121 @@
+"""Verified hits, vision side (vision/_verify.py): a call whose text encoder runs anyway re-encodes one
+stored prompt in its batch, and a stored prompt that differs from what the encoder computes now is
+never served.
+
+Each test blinds the keys (the encoder's fingerprint says nothing changed), changes the text
+side the way a user could without the keys seeing it (a function the tower calls swapped), and
+asks for a vocabulary that is partly stored: the result equals the plain call, with a warning.
+With the keys in force the same change is another key (a miss). A full hit runs no text at all
+and is served on its keys alone (YOLOE never even loads its encoder).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import open_clip
+import pytest
+import torch
+import torch.nn.functional as F
+from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
+from ultralytics import YOLOE
+
+import promptstore.vision._owl as owl_module
+import promptstore.vision._zeroshot as zeroshot_module
+from promptstore import PromptStore
+from promptstore.errors import PromptStoreWarning
+from promptstore.vision import OpenCLIPTextEncoder, owl_detect, set_classes
+from promptstore.vision._verify import FEATURE_TOLERANCE, feature_error
+
+from test_owl import QUERIES, build, clip_tokenizer, images, plain  # noqa: F401 - clip_tokenizer is a fixture
+
+CLASSES = list(IMAGENET_CLASSNAMES[:6])
+TEMPLATES = list(OPENAI_IMAGENET_TEMPLATES[:3])
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
+        yield s
+
+
+@pytest.fixture
+def norm_changed():
+    """A function the text towers call, replaced (what a patched kernel or activation does)."""
+    original = F.layer_norm
+
+    def changed(x, *args, **kwargs):
+        return original(x, *args, **kwargs) * 1.05
+
+    def apply():
+        F.layer_norm = changed
+
+    yield apply
+    F.layer_norm = original
+
+
+def _warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [w for w in caught if issubclass(w.category, PromptStoreWarning)]
+
+
+def test_a_zero_shot_classifier_over_a_changed_tower_equals_open_clip(store, norm_changed, monkeypatch):
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    monkeypatch.setattr(zeroshot_module, "tower_fingerprint", lambda model, tokenizer: "tower:blind")
+    zero_shot_classifier = zeroshot_module.zero_shot_classifier
+    zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES, store=store)  # stored from the tower as it was
+    norm_changed()
+    want = build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES)
+    got, caught = _warnings(lambda: zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store))
+    assert (got - want).abs().max().item() <= 1e-5
+    assert len(caught) == 1 and "differs from what the encoder computes now" in str(caught[0].message)
+
+
+def test_an_unchanged_tower_passes_its_check_and_serves(store):
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    zeroshot_module.zero_shot_classifier(model, tok, CLASSES[:3], TEMPLATES, store=store)
+    got, caught = _warnings(lambda: zeroshot_module.zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store))
+    assert not caught
+    assert (got - build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES)).abs().max().item() <= 1e-5
+
+
+def test_set_classes_over_a_changed_encoder_equals_the_plain_encoding(store, norm_changed, monkeypatch):
+    encoder = OpenCLIPTextEncoder("ViT-B-32", seed=0)
+    monkeypatch.setattr(type(encoder), "fingerprint", property(lambda self: "encoder:blind"))
+    torch.manual_seed(0)
+    model = YOLOE("yoloe-11s-seg.yaml")
+    names = ["forklift", "pallet", "ladder", "person"]
+    set_classes(model, names[:2], store=store, encoder=encoder)
+    norm_changed()
+    report, caught = _warnings(lambda: set_classes(model, names, store=store, encoder=encoder))
+    assert report.hits == 0 and report.misses == len(names) and len(caught) == 1
+    feats = encoder.encode(names)  # the changed tower, as a plain encoding runs it
+    with torch.no_grad():
+        expected = model.model.model[-1].get_tpe(torch.from_numpy(feats)[None])
+    assert (model.model.pe - expected).abs().max().item() <= 1e-5
+    assert list(model.model.names.values()) == names
+
+
+def test_owl_queries_over_a_changed_tower_equal_the_plain_call(store, norm_changed, monkeypatch, clip_tokenizer):
+    model, processor = build("owlv2", clip_tokenizer)
+    imgs = images()
+    monkeypatch.setattr(owl_module, "owl_query_fingerprint", lambda model, processor: "owl:blind")
+    owl_detect(model, processor, QUERIES[:1], images=imgs, store=store)
+    norm_changed()
+    want = plain(model, processor, QUERIES, imgs)
+    got, caught = _warnings(lambda: owl_detect(model, processor, QUERIES, images=imgs, store=store))
+    assert (got.logits - want.logits).abs().max().item() <= 1e-4 and len(caught) == 1
+
+
+def test_the_feature_check_bites_at_its_bound():
+    a = np.ones(16, np.float32)
+    assert feature_error(a, a) == 0.0
+    assert feature_error(a, a * (1 + 2 * FEATURE_TOLERANCE["float32"])) > FEATURE_TOLERANCE["float32"]
+    assert feature_error(a, np.full(16, np.nan)) == float("inf")
