@@ -107,7 +107,7 @@ def test_hit_runs_exactly_the_uncached_tokens(tiny, store):
     counter = TokenCounter(tiny)
     pc.prefill(ids)
     assert pc.stats["last"] == {"queried": 100, "served": 70, "computed": 30, "generated": 0, "requests": 1, "verified": 1, "refuted": 0}
-    assert counter.n == 30 + CHECKED  # and the hit's check, in a forward of its own
+    assert counter.n == 30 + CHECKED  # and the hit's check, in the same forward
     counter.n = 0
     pc.prefill(ids)  # now all 100 tokens are stored: only the last one runs
     assert counter.n == 1 + CHECKED and pc.stats["last"]["served"] == 99
@@ -142,17 +142,17 @@ def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):
 
 
 def test_a_generate_hit_runs_the_uncached_tokens_in_one_forward(tiny, store):
-    # One pass over the weights for the whole uncached part (model.generate's own first step),
-    # then one per generated token: no separate prefill of all but the last token first (the
-    # hit's check is a forward of its own, over the checked positions only).
+    # One pass over the weights for the whole uncached part (model.generate's own first step, which
+    # also carries the hit's check), then one per generated token: no separate prefill of all but the
+    # last token first.
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     ids = np.random.default_rng(5).integers(0, 500, 90).tolist()
     pc.generate(ids[:70], max_new_tokens=1, do_sample=False)  # a miss: one forward of 70 tokens
     counter = TokenCounter(tiny)
     out = pc.generate(ids, max_new_tokens=4, do_sample=False)
     assert pc.stats["last"]["served"] == 70
-    # the check, 20 uncached tokens, then 3 decode steps
-    assert counter.batches == [1] * 5 and counter.n == CHECKED + 20 + 3
+    # 20 uncached tokens and the check's in one forward, then 3 decode steps
+    assert counter.batches == [1] * 4 and counter.n == 20 + CHECKED + 3
     assert out[0].tolist() == greedy(tiny, ids, n=4)
     # and the blocks of that forward were stored: the same prompt again computes only its last token
     expected = greedy(tiny, ids, n=1)
