@@ -352,8 +352,6 @@ def test_a_check_leaves_the_served_kv_as_it_was(store):
     pc.prefill(IDS)
     cache, n = pc.lookup(IDS)
     before = [layer.keys.clone() for layer in cache.layers], [layer.values.clone() for layer in cache.layers]
-    buffers = (cache.layers[0]._kbuf.new_empty(0), None)
-    del buffers
     k = torch.stack([layer.keys for layer in cache.layers])
     v = torch.stack([layer.values for layer in cache.layers])
     verdict = verify_served(model, pc._cache_arg, (k, v), n, np.asarray(IDS), TOLERANCE["F32"])
