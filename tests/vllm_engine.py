@@ -1,44 +1,125 @@
-"""One vLLM engine in a process of its own (run with the vLLM venv's Python by tests/test_vllm.py).
+"""One vLLM engine, or one OpenAI client of a served one, in a process of its own (tests/test_vllm.py runs it
+with the vLLM venv's Python).
 
     python tests/vllm_engine.py '{"model": DIR, "connector": {...} | null, "dtype": "float32", "prompts": [...]}'
+    python tests/vllm_engine.py --client URL '{"model": DIR, "prompts": [...]}'
 
-Each prompt is ``{"text": ..., "cache_salt": ... (optional)}``. Prints one JSON line: per prompt
-the greedy text, the first tokens' logprobs and how many prompt tokens vLLM did not compute
-(``num_cached_tokens``: its own prefix cache plus the connector's blocks).
+Each prompt is ``{"text": ...}`` or ``{"chat": [user turns]}`` (a conversation: each answer is appended
+before the next turn), with optional ``cache_salt``, ``lora`` (an adapter folder; the engine is started
+with LoRA on when any prompt names one), ``wait`` (a file to wait for before it), ``touch`` (a file to
+create once it is answered and the store folder ``settle`` names stopped changing) and ``kill`` (a pid
+to kill before it). Prints one JSON line: per answer the greedy text, the first tokens' logprobs and how
+many prompt tokens vLLM did not compute (``cached``: its own prefix cache plus the connector's blocks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+MAX_TOKENS = 12
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def settle(folder: str, quiet_s: float = 2.0, limit_s: float = 120.0) -> None:
+    """Wait until the store folder's entries stop changing: the worker writes blocks from a thread of its own."""
+    def state() -> tuple[int, int]:
+        files = list(Path(folder).rglob("*.safetensors"))
+        return len(files), sum(f.stat().st_size for f in files if f.exists())
+
+    last, since, start = state(), time.monotonic(), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() - start < limit_s:
+        time.sleep(0.2)
+        now = state()
+        if now != last:
+            last, since = now, time.monotonic()
+
+
+def before(prompt: dict) -> None:
+    if "kill" in prompt:
+        os.kill(prompt["kill"], signal.SIGKILL)
+    if "wait" in prompt:
+        start = time.monotonic()
+        while not Path(prompt["wait"]).exists():
+            if time.monotonic() - start > 600:
+                raise TimeoutError(prompt["wait"])
+            time.sleep(0.2)
+
+
+def after(prompt: dict, spec: dict) -> None:
+    if "touch" in prompt:
+        if spec.get("settle"):
+            settle(spec["settle"])
+        Path(prompt["touch"]).touch()
+
+
+def answer(out) -> dict:
+    first = out.outputs[0]
+    return {"text": first.text, "logprobs": [next(iter(d.values())).logprob for d in first.logprobs[:3]],
+            "cached": out.num_cached_tokens or 0, "prompt_tokens": len(out.prompt_token_ids)}
+
+
+def engine(spec: dict) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.lora.request import LoRARequest
 
-    kwargs = {}
+    kwargs: dict = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
             kv_connector_extra_config=spec["connector"])
+    adapters = sorted({p["lora"] for p in spec["prompts"] if p.get("lora")})
+    if adapters:
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(adapters))
     llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=4096, seed=0,
               **kwargs)
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0, logprobs=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
     results = []
     for prompt in spec["prompts"]:  # one at a time: each request sees what the ones before it stored
-        request = {"prompt": prompt["text"], **({"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {})}
-        out = llm.generate([request], params, use_tqdm=False)[0]
-        first = out.outputs[0]
-        results.append({"text": first.text, "logprobs": [next(iter(d.values())).logprob for d in first.logprobs[:3]],
-                        "cached": out.num_cached_tokens or 0, "prompt_tokens": len(out.prompt_token_ids)})
-    print("RESULTS " + json.dumps(results), flush=True)
+        before(prompt)
+        lora = LoRARequest(Path(prompt["lora"]).name, adapters.index(prompt["lora"]) + 1, prompt["lora"]) \
+            if prompt.get("lora") else None
+        salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
+        if "chat" in prompt:
+            messages: list[dict] = []
+            for turn in prompt["chat"]:
+                messages.append({"role": "user", "content": turn})
+                # chat() takes no per-request salt: conversations are asked without one
+                out = llm.chat([messages], params, use_tqdm=False, lora_request=lora)[0]
+                results.append(answer(out))
+                messages.append({"role": "assistant", "content": out.outputs[0].text})
+        else:
+            out = llm.generate([{"prompt": prompt["text"], **salt}], params, use_tqdm=False, lora_request=lora)[0]
+            results.append(answer(out))
+        after(prompt, spec)
+    return results
+
+
+def client(url: str, spec: dict) -> list[dict]:
+    """The same prompts through a served vLLM's OpenAI API (the ``openai`` package)."""
+    from openai import OpenAI
+
+    api = OpenAI(base_url=url, api_key="unused")
+    results = []
+    for prompt in spec["prompts"]:
+        out = api.completions.create(model=spec["model"], prompt=prompt["text"], max_tokens=MAX_TOKENS,
+                                     temperature=0, logprobs=1)
+        choice, details = out.choices[0], out.usage.prompt_tokens_details
+        results.append({"text": choice.text, "logprobs": list(choice.logprobs.token_logprobs[:3]),
+                        "cached": (details.cached_tokens if details else 0) or 0,
+                        "prompt_tokens": out.usage.prompt_tokens})
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--client":
+        found = client(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        found = engine(json.loads(sys.argv[1]))
+    print("RESULTS " + json.dumps(found), flush=True)
