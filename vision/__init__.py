@@ -5,6 +5,9 @@
   format; ``visual_pe``: YOLOE visual prompts.
 - ``zero_shot_classifier``: open_clip's ``build_zero_shot_classifier``, same arguments and result.
 - ``owl_detect``: OWLv2 / OWL-ViT detection with each text query's embedding from the store.
+- ``pipeline``: transformers' ``zero-shot-image-classification`` (CLIP, MetaCLIP 2, SigLIP,
+  SigLIP 2) and ``zero-shot-object-detection`` (OWL-ViT, OWLv2) pipelines, their text tower
+  served from the store.
 
 No text encoder runs for a text the store has seen, and none is even loaded when every text
 hits. Keys name the towers, heads and tokenizers as they run now (``promptstore._live``).
@@ -20,6 +23,7 @@ Needs the ``vision`` extra: ``pip install "promptstore[vision]"``.
 from ._classes import ClassesReport, export_npz, import_npz, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 from ._owl import owl_detect
+from ._pipelines import pipeline
 from ._visual import VisualReport, visual_pe
 from ._zeroshot import zero_shot_classifier
 
@@ -35,4 +39,5 @@ __all__ = [
     "VisualReport",
     "zero_shot_classifier",
     "owl_detect",
+    "pipeline",
 ]

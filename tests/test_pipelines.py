@@ -1,0 +1,226 @@
+"""promptstore.vision.pipeline: transformers' zero-shot vision pipelines, their text tower from the store.
+
+Each served pipeline is compared with transformers' own pipeline over the same model object and
+inputs (random weights at small sizes; the same code paths as the released checkpoints): the same
+labels in the same order, the same scores and boxes. A second call runs no text at all (counted by
+a hook on the text tower's embeddings, tests/counting.py); a new label encodes itself and one
+stored label, checked (vision/_verify.py). OWL's image tower runs once per image instead of once
+per label.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    CLIPConfig,
+    CLIPImageProcessor,
+    CLIPModel,
+    MetaClip2Config,
+    MetaClip2Model,
+    Owlv2ForObjectDetection,
+    Owlv2ImageProcessor,
+    OwlViTForObjectDetection,
+    OwlViTImageProcessor,
+    Owlv2Config,
+    OwlViTConfig,
+    Siglip2Config,
+    Siglip2ImageProcessor,
+    Siglip2Model,
+    SiglipConfig,
+    SiglipImageProcessor,
+    SiglipModel,
+)
+from transformers import pipeline as transformers_pipeline
+
+import promptstore.vision._pipelines as pipelines_module
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
+from promptstore.vision import pipeline
+
+from counting import Counting
+from test_owl import SMALL, clip_tokenizer_in
+
+LABELS = ["a forklift", "a pallet", "a person in a hard hat", "a cardboard box"]
+TOWER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+CLASSIFY, DETECT = "zero-shot-image-classification", "zero-shot-object-detection"
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """A CLIP BPE tokenizer (built offline) for the classifiers (64 tokens: SigLIP pads to 64) and OWL (16)."""
+    long = clip_tokenizer_in(tmp_path_factory.mktemp("tok64"))
+    long.model_max_length = 64
+    return {"classify": long, "detect": clip_tokenizer_in(tmp_path_factory.mktemp("tok16"))}
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
+        yield s
+
+
+def classifier(family: str, seed: int = 0):
+    """(model, image processor) of a zero-shot classifier family, small and random."""
+    torch.manual_seed(seed)
+    text = dict(TOWER, vocab_size=49408, max_position_embeddings=64)
+    vision = dict(TOWER, image_size=64, patch_size=16)
+    clip_images = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    if family == "clip":
+        return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32)).eval(), clip_images
+    if family == "metaclip_2":
+        return MetaClip2Model(MetaClip2Config(text_config=text, vision_config=vision, projection_dim=32)).eval(), clip_images
+    if family == "siglip2":
+        return (Siglip2Model(Siglip2Config(text_config=text, vision_config=dict(TOWER, num_patches=16, patch_size=16))).eval(),
+                Siglip2ImageProcessor(max_num_patches=16, patch_size=16))
+    return (SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval(),
+            SiglipImageProcessor(size={"height": 64, "width": 64}))
+
+
+def detector(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "owlv2":
+        return Owlv2ForObjectDetection(Owlv2Config(**SMALL)).eval(), Owlv2ImageProcessor(size={"height": 128, "width": 128})
+    return (OwlViTForObjectDetection(OwlViTConfig(**SMALL)).eval(),
+            OwlViTImageProcessor(size={"height": 128, "width": 128}, crop_size={"height": 128, "width": 128}))
+
+
+def pictures(n: int = 2, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 255, (80 + 16 * i, 100, 3), dtype=np.uint8)) for i in range(n)]
+
+
+def text_tower(model):
+    for path in ("text_model", "owlv2.text_model", "owlvit.text_model"):
+        try:
+            return pipelines_module._attr(model, path)
+        except AttributeError:
+            continue
+    raise AssertionError(type(model))
+
+
+def same_scores(got, want, atol: float = 1e-6) -> None:
+    """Pipeline outputs (one image's list, or a list of them) equal: labels in order, boxes, scores."""
+    if got and isinstance(got[0], list):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            same_scores(g, w, atol)
+        return
+    assert [(g["label"], g.get("box")) for g in got] == [(w["label"], w.get("box")) for w in want]
+    assert max(abs(g["score"] - w["score"]) for g, w in zip(got, want, strict=True)) <= atol
+
+
+@pytest.mark.parametrize("family", ["clip", "metaclip_2", "siglip", "siglip2"])
+def test_zero_shot_classification_equals_transformers_and_a_hit_runs_no_text(family, tokenizers, store):
+    model, images = classifier(family)
+    Counting(text_tower(model).embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain = transformers_pipeline(CLASSIFY, **args)
+    served = pipeline(CLASSIFY, store=store, **args)
+    assert isinstance(served, type(plain))
+    picture = pictures(1)[0]
+    with Counting(text_tower(model).embeddings) as runs:
+        miss = served(picture, candidate_labels=LABELS)
+    assert runs.rows == len(LABELS)
+    with Counting(text_tower(model).embeddings) as runs:
+        hit = served(pictures(2), candidate_labels=LABELS, hypothesis_template="This is a photo of {}.")
+    assert runs.rows == 0
+    same_scores(miss, plain(picture, candidate_labels=LABELS))
+    same_scores(hit, plain(pictures(2), candidate_labels=LABELS))
+    # A new label: it is encoded with one stored prompt, checked. A new template: only its prompts.
+    with Counting(text_tower(model).embeddings) as runs:
+        more = served(picture, candidate_labels=[*LABELS, "a truck"])
+    assert runs.rows == 2
+    same_scores(more, plain(picture, candidate_labels=[*LABELS, "a truck"]))
+    with Counting(text_tower(model).embeddings) as runs:
+        other = served(picture, candidate_labels=LABELS[:2], hypothesis_template="a picture of {}")
+    assert runs.rows == 2
+    same_scores(other, plain(picture, candidate_labels=LABELS[:2], hypothesis_template="a picture of {}"))
+
+
+def test_a_text_weight_edit_misses_and_a_vision_edit_still_hits(tokenizers, store):
+    model, images = classifier("clip")
+    Counting(model.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    served, plain = pipeline(CLASSIFY, store=store, **args), transformers_pipeline(CLASSIFY, **args)
+    picture = pictures(1)[0]
+    served(picture, candidate_labels=LABELS)
+    with torch.no_grad():
+        model.vision_model.post_layernorm.weight.mul_(1.5)
+    with Counting(model.text_model.embeddings) as runs:
+        got = served(picture, candidate_labels=LABELS)
+    assert runs.rows == 0
+    same_scores(got, plain(picture, candidate_labels=LABELS))
+    with torch.no_grad():
+        model.text_model.final_layer_norm.weight.mul_(1.5)
+    with Counting(model.text_model.embeddings) as runs:
+        got = served(picture, candidate_labels=LABELS)
+    assert runs.rows == len(LABELS)
+    same_scores(got, plain(picture, candidate_labels=LABELS))
+
+
+def test_a_new_process_store_serves_every_label(tokenizers, tmp_path):
+    model, images = classifier("siglip")
+    Counting(model.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    picture = pictures(1)[0]
+    with PromptStore(tmp_path / "s") as first:
+        pipeline(CLASSIFY, store=first, **args)(picture, candidate_labels=LABELS)
+    with PromptStore(tmp_path / "s", memory_bytes=0) as reopened, Counting(model.text_model.embeddings) as runs:
+        got = pipeline(CLASSIFY, store=reopened, **args)(picture, candidate_labels=LABELS)
+    assert runs.rows == 0
+    same_scores(got, transformers_pipeline(CLASSIFY, **args)(picture, candidate_labels=LABELS))
+
+
+@pytest.mark.parametrize("family", ["owlv2", "owlvit"])
+def test_zero_shot_detection_equals_transformers_and_runs_the_image_tower_once_per_image(family, tokenizers, store):
+    model, images = detector(family)
+    base = model.owlv2 if family == "owlv2" else model.owlvit
+    Counting(base.text_model.embeddings)
+    Counting(base.vision_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    pics = pictures(2)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    # One tally counts both towers' rows (tests/counting.py): a text row per label encoded, an image
+    # row per image-tower run.
+    with Counting(base.vision_model.embeddings) as rows:
+        want = [plain(p, **call) for p in pics]
+    assert rows.rows == 2 * len(pics) * len(LABELS)  # transformers: both towers once per label
+    with Counting(base.vision_model.embeddings) as rows:
+        miss = [served(p, **call) for p in pics]
+    assert rows.rows == len(pics) + len(LABELS)  # each label encoded once, each image once
+    with Counting(base.vision_model.embeddings) as rows:
+        hit = served(pics[0], **call)
+    assert rows.rows == 1  # the image, and no text
+    for got, ref in zip([*miss, hit], [*want, want[0]], strict=True):
+        same_scores(got, ref, atol=1e-5)
+
+
+def test_a_stored_label_that_differs_from_the_tower_now_is_not_served(tokenizers, store, monkeypatch):
+    model, images = classifier("clip")
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    monkeypatch.setattr(pipelines_module._TextSide, "fingerprint", lambda self: "tower:blind")
+    served, plain = pipeline(CLASSIFY, store=store, **args), transformers_pipeline(CLASSIFY, **args)
+    picture = pictures(1)[0]
+    served(picture, candidate_labels=LABELS[:2])
+    with torch.no_grad():  # a change the (blinded) key does not see
+        model.text_model.final_layer_norm.weight.mul_(1.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = served(picture, candidate_labels=LABELS)
+    assert sum(issubclass(w.category, PromptStoreWarning) for w in caught) == 1
+    same_scores(got, plain(picture, candidate_labels=LABELS))
+
+
+def test_other_tasks_and_families_are_refused_before_any_work(tokenizers, store):
+    with pytest.raises(InvalidInputError):
+        pipeline("text-generation", model=None, store=store)
+    model, images = detector("owlv2")
+    with pytest.raises(UnsupportedModelError):  # a detector's model under the classification task
+        pipeline(CLASSIFY, model=model, tokenizer=tokenizers["classify"], image_processor=images, store=store)
+    assert store.ls() == []

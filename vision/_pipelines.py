@@ -1,0 +1,278 @@
+"""transformers' zero-shot vision pipelines with their text side from the store.
+
+    from promptstore.vision import pipeline
+    classify = pipeline("zero-shot-image-classification", model=folder_or_hub_id)
+    classify(image, candidate_labels=["a forklift", "a pallet"])
+
+:func:`pipeline` is ``transformers.pipeline(task, model, **kwargs)``: the same object (an instance
+of transformers' own pipeline class), the same arguments and outputs. Only its forward changes:
+the text tower's pooled output for each candidate label comes from the store, keyed by the tower's
+live identity and the label's token ids as the pipeline tokenised them; the tower runs only for the
+labels the store lacks. The rest of the model (projection, normalisation, logit scale and bias,
+the detection heads) runs as in the plain call, in the model's own code, so the scores are the
+model's. A forward that runs the tower anyway re-encodes one stored label in its batch and compares
+(:mod:`._verify`); a mismatch computes the call without the store and warns.
+
+- ``zero-shot-image-classification``: CLIP, MetaCLIP 2, SigLIP and SigLIP 2 (their forward takes
+  the text tower's pooled output as it is).
+- ``zero-shot-object-detection``: OWL-ViT and OWLv2. transformers' pipeline runs the detector once
+  per label, image tower included; here the image tower runs once per image and each label reuses
+  its feature map (the heads are computed per label as before).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, UnsupportedModelError
+
+from ._classes import TEXT_KIND, Recipes
+from ._verify import Refuted, check_feature, warn_refuted
+from ._zeroshot import _storable
+
+__all__ = ["pipeline", "CLASSIFIER_FAMILIES", "DETECTOR_FAMILIES"]
+
+# model_type -> the attribute path of the text tower whose pooled output the model's forward uses as is.
+CLASSIFIER_FAMILIES = {"clip": "text_model", "metaclip_2": "text_model", "siglip": "text_model",
+                       "siglip2": "text_model"}
+DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model"}
+_TASKS = {"zero-shot-image-classification": CLASSIFIER_FAMILIES, "zero-shot-object-detection": DETECTOR_FAMILIES}
+
+
+def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, **kwargs: Any) -> Any:
+    """``transformers.pipeline(task, model, **kwargs)`` whose text tower is served from ``store``.
+
+    Args:
+        task: ``"zero-shot-image-classification"`` or ``"zero-shot-object-detection"``.
+        model: what ``transformers.pipeline`` takes (a hub id, a folder, or a model object).
+        store: default ``PromptStore()``.
+        **kwargs: passed to ``transformers.pipeline`` (``image_processor``, ``tokenizer``,
+            ``device``, ``dtype``...).
+
+    Returns:
+        transformers' own pipeline object for ``task``; called as that pipeline is called, it
+        returns what that pipeline returns.
+
+    Raises:
+        InvalidInputError: another task.
+        UnsupportedModelError: a model family whose text side is not served (see
+            ``CLASSIFIER_FAMILIES`` and ``DETECTOR_FAMILIES``).
+    """
+    if task not in _TASKS:
+        raise InvalidInputError(f"promptstore.vision.pipeline serves {sorted(_TASKS)}, not {task!r}")
+    from transformers import pipeline as transformers_pipeline
+
+    pipe = transformers_pipeline(task, model=model, **kwargs)
+    family = getattr(pipe.model.config, "model_type", "")
+    if family not in _TASKS[task]:
+        raise UnsupportedModelError(f"{task}: the text side of {family!r} models is not served from the store "
+                                    f"(served: {sorted(_TASKS[task])})")
+    if getattr(pipe.model, "training", False):
+        raise UnsupportedModelError(f"{task}: the model is in training mode (call .eval())")
+    base = type(pipe)
+    served = _Classifier if task == "zero-shot-image-classification" else _Detector
+    # A subclass of transformers' own class: isinstance, its preprocess and postprocess are unchanged.
+    methods = {k: v for k, v in vars(served).items() if not k.startswith("__")}
+    pipe.__class__ = type(base.__name__, (base,), {**methods, "__module__": base.__module__})
+    pipe._promptstore = _TextSide(pipe.model, _TASKS[task][family], store if store is not None else PromptStore())
+    return pipe
+
+
+def _attr(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _TextSide:
+    """One model's text tower: its pooled output per token-id row, from the store or computed now."""
+
+    def __init__(self, model: Any, path: str, store: PromptStore) -> None:
+        self.model, self.path, self.store = model, path, store
+        self.encoded = 0  # rows the tower computed (probes included)
+        self.served = 0  # rows served from the store
+
+    @property
+    def tower(self) -> Any:
+        return _attr(self.model, self.path)
+
+    def fingerprint(self) -> str:
+        from promptstore._live import ambient_identity, module_identity
+
+        tower = self.tower
+        device = next(tower.parameters()).device.type
+        live = module_identity(tower, what=f"{self.model.config.model_type}'s text tower")
+        return f"hf-text:{type(self.model).__qualname__}.{self.path}:device={device}:{live}:{ambient_identity()}"
+
+    def pooled(self, input_ids: Any, attention_mask: Any | None) -> Any:
+        """The tower's pooled output for every row of ``input_ids``, as ``tower(...).pooler_output`` gives it.
+
+        A row's key is its token ids (cut to its attention mask when there is one; else the whole
+        padded row, which the tower attends to), under the tower's fingerprint.
+        """
+        import torch
+
+        recipes = Recipes(self.store, self.fingerprint())
+        dtype = next(self.tower.parameters()).dtype
+        names = [_row_name(input_ids[i], None if attention_mask is None else attention_mask[i])
+                 for i in range(input_ids.shape[0])]
+        found: dict[str, Any] = {}
+        for name in dict.fromkeys(names):
+            row = _read(self.store.get(recipes.text(name), kind=TEXT_KIND), dtype)
+            if row is not None:
+                found[name] = row
+        firsts = {name: i for i, name in reversed(list(enumerate(names)))}
+        missing = [name for name in firsts if name not in found]
+        probe = next(iter(found), None) if missing else None
+        if missing:
+            rows = [firsts[n] for n in ([probe] if probe is not None else []) + missing]
+            t0 = time.perf_counter()
+            fresh = self._encode(input_ids[rows], None if attention_mask is None else attention_mask[rows])
+            each = (time.perf_counter() - t0) / len(rows)
+            self.encoded += len(rows)
+            if probe is not None:
+                try:
+                    check_feature(probe, found[probe].float().numpy(), fresh[0].float().cpu().numpy(), str(dtype))
+                except Refuted as exc:
+                    warn_refuted("pipeline", exc)
+                    self.encoded += input_ids.shape[0]
+                    return self._encode(input_ids, attention_mask)
+                fresh = fresh[1:]
+            for name, value in zip(missing, fresh, strict=True):
+                value = value.detach().cpu()
+                self.store.put(recipes.text(name), {"text": _storable(value)}, kind=TEXT_KIND, cost_s=each,
+                               meta={"encoder": recipes.efp})
+                found[name] = value
+        self.served += sum(1 for n in names if n not in missing)
+        device = input_ids.device
+        return torch.stack([found[n] for n in names]).to(device=device, dtype=dtype)
+
+    def _encode(self, input_ids: Any, attention_mask: Any | None) -> Any:
+        import torch
+
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        with torch.no_grad():
+            return self.tower(input_ids=input_ids, return_dict=True, **kwargs).pooler_output
+
+    @contextmanager
+    def serving(self, pooled: Any) -> Any:
+        """The model's text tower replaced, for one forward, by one that returns ``pooled``."""
+        owner_path, _, name = self.path.rpartition(".")
+        owner = _attr(self.model, owner_path) if owner_path else self.model
+        original = getattr(owner, name)
+        setattr(owner, name, _Served(pooled))
+        try:
+            yield
+        finally:
+            setattr(owner, name, original)
+
+
+def _row_name(ids: Any, mask: Any | None) -> str:
+    row = ids if mask is None else ids[mask.bool()]
+    tail = f"|padded:{int(ids.shape[0])}" if mask is None else ""
+    return "ids:" + ",".join(str(int(t)) for t in row.tolist()) + tail
+
+
+def _read(entry: Any, dtype: Any) -> Any:
+    """A stored pooled row as a CPU tensor of ``dtype``, or None (a miss)."""
+    import torch
+
+    from ._zeroshot import _STORED
+
+    if entry is None or "text" not in entry.tensors or entry.tensors["text"].ndim != 1:
+        return None
+    if entry.dtypes.get("text") != _STORED.get(str(dtype).removeprefix("torch.")):
+        return None
+    arr = np.array(entry.tensors["text"])
+    return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == torch.bfloat16 else torch.from_numpy(arr)
+
+
+def _served_module() -> Any:
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    class Served(torch.nn.Module):
+        """A text tower's stand-in for one forward: the pooled rows it was given, for exactly that batch."""
+
+        def __init__(self, pooled: Any) -> None:
+            super().__init__()
+            self.pooled = pooled
+
+        def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if input_ids is None or input_ids.shape[0] != self.pooled.shape[0]:
+                raise RuntimeError("promptstore: the served text tower was called with another batch")
+            return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=self.pooled)
+
+    return Served
+
+
+def _Served(pooled: Any) -> Any:  # noqa: N802 - builds the module class on first use (torch is imported lazily)
+    return _served_module()(pooled)
+
+
+class _Classifier:
+    """``ZeroShotImageClassificationPipeline._forward`` with the text tower's rows from the store."""
+
+    _promptstore: _TextSide
+
+    def _forward(self, model_inputs: Any) -> Any:
+        from collections import UserDict
+
+        candidate_labels = model_inputs.pop("candidate_labels")
+        text_inputs = model_inputs.pop("text_inputs")
+        text_inputs = text_inputs[0] if isinstance(text_inputs[0], UserDict) else text_inputs[0][0]
+        side = self._promptstore
+        pooled = side.pooled(text_inputs["input_ids"], text_inputs.get("attention_mask"))
+        with side.serving(pooled):
+            outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]
+        return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
+
+
+class _Detector:
+    """``ZeroShotObjectDetectionPipeline._forward`` (OWL) with the query from the store and the image
+    tower run once per image: every label of one image reuses its feature map."""
+
+    _promptstore: _TextSide
+    _image_memo: tuple[Any, Any] | None = None
+
+    def _forward(self, model_inputs: Any) -> Any:
+        import torch
+
+        target_size = model_inputs.pop("target_size")
+        candidate_label = model_inputs.pop("candidate_label")
+        is_last = model_inputs.pop("is_last")
+        model = self.model  # type: ignore[attr-defined]
+        side = self._promptstore
+        input_ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
+        pixel_values = model_inputs["pixel_values"]
+        pooled = side.pooled(input_ids, mask)
+        base = _attr(model, side.path.rpartition(".")[0])
+        with torch.no_grad():
+            query = base.text_projection(pooled)
+            # The detector's own normalisation (OwlViTModel / Owlv2Model.forward).
+            query = query / torch.linalg.norm(query, ord=2, dim=-1, keepdim=True)
+            memo = self._image_memo
+            if memo is not None and memo[0].shape == pixel_values.shape and torch.equal(memo[0], pixel_values):
+                feature_map, vision_outputs = memo[1]
+            else:
+                feature_map, vision_outputs = model.image_embedder(pixel_values=pixel_values)[:2]
+                self._image_memo = (pixel_values, (feature_map, vision_outputs))
+            batch, h, w, dim = feature_map.shape
+            image_feats = feature_map.reshape(batch, h * w, dim)
+            queries = query.reshape(batch, -1, query.shape[-1])
+            query_mask = input_ids.reshape(batch, -1, input_ids.shape[-1])[..., 0] > 0
+            logits, class_embeds = model.class_predictor(image_feats, queries, query_mask)
+            boxes = model.box_predictor(image_feats, feature_map, False)
+            extra = {}
+            if hasattr(model, "objectness_predictor"):
+                extra["objectness_logits"] = model.objectness_predictor(image_feats)
+        if is_last:
+            self._image_memo = None
+        output = {"logits": logits, "pred_boxes": boxes, "text_embeds": queries, "image_embeds": feature_map,
+                  "class_embeds": class_embeds, "vision_model_output": vision_outputs, **extra}
+        return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **output}
