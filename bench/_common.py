@@ -77,3 +77,16 @@ def save_bar_chart(path: Path, title: str, groups: list[str], series: dict[str, 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def save_results(out: str | Path, repeats: int, rows: list[dict], info: dict | None = None) -> None:
+    """A benchmark's rows as JSON, stamped with the machine and the date (written again after each row
+    by the benchmarks that can be interrupted)."""
+    import json
+    import time
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": info or machine(), "date": time.strftime("%Y-%m-%d"), "repeats": repeats,
+                                "rows": rows}, indent=2))
+

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import save_results  # noqa: E402
 from llm_ttft import QUESTIONS, WARM_QUESTION, prompt_ids  # noqa: E402
 
 
@@ -108,10 +108,7 @@ def main() -> None:
         print(f"{length:>6} tokens  first request {first['on'] * 1e3:7.1f} ms checked vs {first['off'] * 1e3:7.1f} ms "
               f"unchecked ({row['first_ratio']:.3f}x)  steady {steady['on'] * 1e3:7.1f} vs {steady['off'] * 1e3:7.1f} ms "
               f"({row['steady_ratio']:.3f}x)  same tokens: {same}  refuted {row['refuted']}/{row['verified']}", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats,
-                               "rows": rows}, indent=2))
+    save_results(args.out, args.repeats, rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""transformers' zero-shot vision pipelines, plain and with their text tower from the store (promptstore.vision.pipeline).
+
+    python bench/vision_pipelines.py [--repeats 3] [--out bench/results/vision_pipelines_<date>.json]
+
+Random weights at the default (base) sizes, with the CLIP BPE tokenizer built offline: the shapes
+and the cost are real. Per model, fresh processes (the model built and the pipeline made before the
+clock starts): the plain pipeline, and the served one over a store another process warmed with the
+same labels. Each times its first call (the headline) and ``--repeats`` more (steady state), on one
+image. Writes medians; the served outputs are compared with the plain ones (labels, scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent / "tests"))
+from _common import save_results  # noqa: E402
+
+CASES = {
+    "CLIP ViT-B/32, 10 labels": ("zero-shot-image-classification", "clip", 10),
+    "SigLIP base, 10 labels": ("zero-shot-image-classification", "siglip", 10),
+    "OWLv2 base, 3 labels": ("zero-shot-object-detection", "owlv2", 3),
+}
+LABELS = ["a forklift", "a pallet", "a person in a hard hat", "a cardboard box", "a ladder", "a truck", "a fire extinguisher",
+          "a safety cone", "a shelf", "a conveyor belt"]
+
+
+def build(family: str, folder: str):
+    import torch
+    from transformers import (CLIPConfig, CLIPImageProcessor, CLIPModel, Owlv2Config, Owlv2ForObjectDetection,
+                              Owlv2ImageProcessor, SiglipConfig, SiglipImageProcessor, SiglipModel)
+
+    from test_owl import clip_tokenizer_in
+
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer_in(folder)
+    if family == "clip":
+        tokenizer.model_max_length = 77
+        return CLIPModel(CLIPConfig()).eval(), tokenizer, CLIPImageProcessor()
+    if family == "siglip":
+        tokenizer.model_max_length = 64
+        return (SiglipModel(SiglipConfig(text_config={"vocab_size": 49408})).eval(), tokenizer,
+                SiglipImageProcessor())
+    # owlv2-base-patch16-ensemble: ViT-B/16 at 960 pixels, as its image processor resizes
+    return Owlv2ForObjectDetection(Owlv2Config(vision_config={"image_size": 960})).eval(), tokenizer, Owlv2ImageProcessor()
+
+
+def child(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import pipeline as transformers_pipeline
+
+    from promptstore import PromptStore
+    from promptstore.vision import pipeline
+
+    torch.set_num_threads(args.threads)
+    task, family, n = CASES[args.case]
+    model, tokenizer, images = build(family, tempfile.mkdtemp())
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8))
+    kwargs = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    call = dict(candidate_labels=LABELS[:n], **({"threshold": 0.0, "top_k": 10} if "detection" in task else {}))
+    with PromptStore(args.store) as store:
+        pipe = pipeline(task, store=store, **kwargs) if args.mode == "served" else transformers_pipeline(task, **kwargs)
+        times, outputs = [], []
+        for _ in range(1 + args.repeats):
+            t0 = time.perf_counter()
+            outputs.append(pipe(picture, **call))
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"first": times[0], "steady": times[1:], "output": outputs[0]}))
+
+
+def run(args: argparse.Namespace, case: str, mode: str, store: Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--case", case, "--mode", mode, "--store", str(store), "--repeats",
+           str(args.repeats), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"child failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def close(a: list[dict], b: list[dict]) -> bool:
+    return [x["label"] for x in a] == [x["label"] for x in b] and all(
+        abs(x["score"] - y["score"]) <= 1e-5 and x.get("box") == y.get("box") for x, y in zip(a, b, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(BENCH / "results" / f"vision_pipelines_{time.strftime('%Y-%m-%d')}.json"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    rows = []
+    for case in CASES:
+        folder = Path(tempfile.mkdtemp(prefix="vision-pipelines-"))
+        try:
+            run(args, case, "served", folder / "store")  # warms the store (its own first call encodes)
+            plain = run(args, case, "plain", folder / "unused")
+            served = run(args, case, "served", folder / "store")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        row = {"case": case, "plain_first_s": plain["first"], "served_first_s": served["first"],
+               "plain_steady_s": statistics.median(plain["steady"]), "served_steady_s": statistics.median(served["steady"]),
+               "same_output": close(plain["output"], served["output"])}
+        row["first_speedup"] = row["plain_first_s"] / row["served_first_s"]
+        row["steady_speedup"] = row["plain_steady_s"] / row["served_steady_s"]
+        rows.append(row)
+        print(f"{case:<28} first call {row['plain_first_s']:.3f} s plain, {row['served_first_s']:.3f} s served "
+              f"({row['first_speedup']:.2f}x); steady {row['plain_steady_s']:.3f} / {row['served_steady_s']:.3f} s "
+              f"({row['steady_speedup']:.2f}x); same output: {row['same_output']}", flush=True)
+    save_results(args.out, args.repeats, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""vLLM with promptstore as its KV connector: the first request of a restarted engine, against vLLM alone.
+
+    python bench/vllm_bench.py [--lengths 2000 8000] [--dtypes float32 bfloat16] [--repeats 3]
+                               [--vllm-python PATH] [--out bench/results/vllm_bench.json]
+
+Runs with the main venv's Python; every engine runs in a fresh process of vLLM's venv
+(``make vllm-venv``; default ``$PROMPTSTORE_VLLM_PYTHON``), SmolLM2-135M-Instruct, ``enforce_eager``,
+``max_tokens=1`` (time to the first token through ``LLM.generate``, after the engine is built).
+Per dtype, ``--repeats`` documents per length (each a document plus a question), one engine each:
+
+  cold               vLLM alone, a document it has never seen
+  vLLM hit           vLLM alone, the same document with another question right after (its own
+                     in-process prefix cache: the floor for an engine)
+  cold + store       an engine with the connector computing and storing a new document (what
+                     storing costs a request)
+  restarted (disk)   a fresh engine on the same folder: another question on each document; the
+                     first request of the engine is reported apart from the median
+  other host (Redis) a fresh engine with an empty folder of its own and the same Redis: the same
+
+Greedy first tokens are compared with vLLM alone. Bytes per stored token: the store's bytes over the
+tokens its blocks hold. LMCache is not installed by this benchmark (see the docs' benchmarks page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "tests"))
+from _common import machine, save_results  # noqa: E402
+
+TEXT = ("Manual {d}, section {i}: forklifts of fleet {d} are parked in bay C after each shift and charged overnight; "
+        "pallets over 800 kg go to aisle 4 on the ground racks; hazardous goods stay behind the fence near door 9. ")
+QUESTIONS = ["\nQuestion: Where do forklifts park?\nAnswer:", "\nQuestion: Which aisle takes heavy pallets?\nAnswer:"]
+
+
+def engine_child(spec: dict) -> None:
+    """In vLLM's venv: build one engine, then time each prompt's first token."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = {}
+    if spec["connector"] is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
+            kv_connector_extra_config=spec["connector"])
+    llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=True, max_model_len=8192, seed=0, **kwargs)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+    rows = []
+    for ids in spec["prompts"]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        rows.append({"s": seconds, "token": out.outputs[0].token_ids[0], "cached": out.num_cached_tokens or 0})
+    print("RESULTS " + json.dumps(rows), flush=True)
+
+
+def documents(tokenizer, length: int, repeats: int) -> list[list[list[int]]]:
+    """Per repeat: [document + question 0, document + question 1], each ``length`` tokens or so."""
+    out = []
+    for d in range(repeats):
+        text = "".join(TEXT.format(d=d + 1, i=i) for i in range(1, 400))
+        doc = tokenizer(text)["input_ids"][: length - 16]
+        out.append([doc + tokenizer(q)["input_ids"] for q in QUESTIONS])
+    return out
+
+
+def run_engine(args: argparse.Namespace, site: str, model: str, dtype: str, prompts: list[list[int]],
+               connector: dict | None) -> list[dict]:
+    spec = Path(site).parent / "spec.json"  # token ids: too long for a command line
+    spec.write_text(json.dumps({"model": model, "dtype": dtype, "prompts": prompts, "connector": connector}))
+    proc = subprocess.run([args.vllm_python, __file__, "--engine", str(spec)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": site}, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def settle(folder: Path, quiet_s: float = 3.0) -> None:
+    from vllm_engine import settle as wait
+
+    wait(str(folder), quiet_s=quiet_s, limit_s=600)
+
+
+def save(args: argparse.Namespace, rows: list[dict]) -> None:
+    info = machine()
+    info["vllm"] = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                  text=True).stdout.strip()
+    save_results(args.out, args.repeats, rows, info)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-python", default=os.environ.get("PROMPTSTORE_VLLM_PYTHON"))
+    parser.add_argument("--out", default=str(BENCH / "results" / f"vllm_bench_{time.strftime('%Y-%m-%d')}.json"))
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.engine:
+        engine_child(json.loads(Path(args.engine).read_text()))
+        return
+    if not args.vllm_python:
+        raise SystemExit("name vLLM's venv Python: --vllm-python or PROMPTSTORE_VLLM_PYTHON (make vllm-venv builds it)")
+    import redis as redis_py
+    from redis_server import RedisServer
+
+    from promptstore import PromptStore
+    from promptstore.llm import load_model, models_dir
+
+    _, tokenizer = load_model()
+    model = str(sorted(Path(models_dir()).glob("smollm2-135m-instruct*"))[0])
+    work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    site = work / "site"
+    shutil.copytree(ROOT / "promptstore", site / "promptstore")
+    shutil.copytree(ROOT / "vllm_connector", site / "promptstore" / "vllm")
+    redis = RedisServer(work / "redis").start()
+    rows = []
+    try:
+        for dtype in args.dtypes:
+            for length in args.lengths:
+                docs = documents(tokenizer, length, args.repeats)
+                folder, host = work / f"{dtype}-{length}", work / f"{dtype}-{length}-host"
+                redis_py.Redis.from_url(redis.url).flushall()
+                alone = run_engine(args, str(site), model, dtype, [p for pair in docs for p in pair], None)
+                cold, hit = alone[0::2], alone[1::2]
+                stored = run_engine(args, str(site), model, dtype, [pair[0] for pair in docs],
+                                    {"path": str(folder), "redis_url": redis.url})
+                settle(folder)
+                disk = run_engine(args, str(site), model, dtype, [pair[1] for pair in docs], {"path": str(folder)})
+                other = run_engine(args, str(site), model, dtype, [pair[1] for pair in docs],
+                                   {"path": str(host), "redis_url": redis.url})
+                with PromptStore(folder) as s:
+                    entries = s.ls(kind="vllm.kv")
+                    per_token = sum(e.size for e in entries) / max(1, 128 * len(entries))
+                row = {
+                    "dtype": dtype, "length": len(docs[0][1]),
+                    "cold_s": median([r["s"] for r in cold]), "vllm_hit_s": median([r["s"] for r in hit]),
+                    "cold_store_s": median([r["s"] for r in stored]),
+                    "restart_disk_first_s": disk[0]["s"], "restart_disk_s": median([r["s"] for r in disk]),
+                    "redis_first_s": other[0]["s"], "redis_s": median([r["s"] for r in other]),
+                    "served_tokens": disk[0]["cached"], "bytes_per_token": per_token,
+                    "same_first_token": all(a["token"] == b["token"] == c["token"]
+                                            for a, b, c in zip(hit, disk, other, strict=True))
+                    and all(a["token"] == b["token"] for a, b in zip(cold, stored, strict=True)),
+                }
+                rows.append(row)
+                save(args, rows)
+                print(f"{dtype:>9} {row['length']:>5} tokens  cold {row['cold_s']:.3f} s  vLLM hit "
+                      f"{row['vllm_hit_s']:.3f}  cold+store {row['cold_store_s']:.3f}  restarted (disk) first "
+                      f"{row['restart_disk_first_s']:.3f} median {row['restart_disk_s']:.3f}  other host (Redis) "
+                      f"first {row['redis_first_s']:.3f} median {row['redis_s']:.3f}  served {row['served_tokens']}  "
+                      f"{per_token / 1024:.1f} KiB/token  same tokens: {row['same_first_token']}", flush=True)
+    finally:
+        redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
