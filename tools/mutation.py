@@ -190,10 +190,12 @@ GROUPS = [
         "promptstore/vision/_verify.py": ("feature_error", "check_feature")},
           ("tests/test_verify.py", "tests/test_vision_verify.py"),
           sample=4),
-    # transformers' zero-shot pipelines: the text tower's key, which rows are served, and in what order.
+    # transformers' zero-shot pipelines and OmDet-Turbo's caches: the text side's key, which rows are served, in what order.
     Group("pipelines", {"promptstore/vision/_pipelines.py": ("_TextSide.fingerprint", "_TextSide.pooled", "_row_name",
-                                                             "_read")},
-          ("tests/test_pipelines.py",), sample=4),
+                                                             "_read"),
+                        "promptstore/vision/_omdet.py": ("_Backbone.fingerprint", "_StoredCache.has", "_StoredCache.put",
+                                                         "_StoredCache._confirmed", "_StoredCache._read", "_payload")},
+          ("tests/test_pipelines.py", "tests/test_omdet.py"), sample=4),
     # What a live model, tower or tokenizer is, as it runs now.
     Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
                        "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,

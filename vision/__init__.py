@@ -8,6 +8,7 @@
 - ``pipeline``: transformers' ``zero-shot-image-classification`` (CLIP, MetaCLIP 2, SigLIP,
   SigLIP 2) and ``zero-shot-object-detection`` (OWL-ViT, OWLv2) pipelines, their text tower
   served from the store.
+- ``serve_omdet``: OmDet-Turbo's class and task caches backed by the store.
 
 No text encoder runs for a text the store has seen, and none is even loaded when every text
 hits. Keys name the towers, heads and tokenizers as they run now (``promptstore._live``).
@@ -22,6 +23,7 @@ Needs the ``vision`` extra: ``pip install "promptstore[vision]"``.
 
 from ._classes import ClassesReport, export_npz, import_npz, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
+from ._omdet import serve_omdet
 from ._owl import owl_detect
 from ._pipelines import pipeline
 from ._visual import VisualReport, visual_pe
@@ -40,4 +42,5 @@ __all__ = [
     "zero_shot_classifier",
     "owl_detect",
     "pipeline",
+    "serve_omdet",
 ]

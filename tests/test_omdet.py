@@ -1,0 +1,153 @@
+"""promptstore.vision.serve_omdet: OmDet-Turbo's class and task caches backed by the store.
+
+A small random OmDet-Turbo (a Swin backbone and a CLIP text tower from transformers' own classes;
+the same code paths as the released checkpoint) is compared with a fresh copy of itself, whose own
+in-process caches start empty: the detector's class logits and boxes are equal on a miss, on a hit,
+from a reopened store in a new model object, and for a vocabulary larger than ``cache_size``. Text
+rows are counted by a hook on the text tower's embeddings (tests/counting.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    CLIPTextConfig,
+    DetrImageProcessor,
+    OmDetTurboConfig,
+    OmDetTurboForObjectDetection,
+    OmDetTurboProcessor,
+    SwinConfig,
+)
+
+import promptstore.vision._omdet as omdet_module
+from promptstore import PromptStore
+from promptstore.errors import InvalidInputError, PromptStoreWarning
+from promptstore.vision import serve_omdet
+
+from counting import Counting
+from test_owl import clip_tokenizer_in
+
+CLASSES = ["forklift", "pallet", "person", "cardboard box", "ladder"]  # more than cache_size (3)
+
+
+def build(seed: int = 0) -> OmDetTurboForObjectDetection:
+    torch.manual_seed(seed)
+    config = OmDetTurboConfig(
+        use_timm_backbone=False, backbone=None, apply_layernorm_after_vision_backbone=False,
+        backbone_config=SwinConfig(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], out_indices=[2, 3, 4],
+                                   window_size=7, image_size=224),
+        text_config=CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   vocab_size=49408, max_position_embeddings=77),
+        # the task features are the text tower's hidden states: class_embed_dim is its width
+        text_projection_in_dim=32, text_projection_out_dim=32, class_embed_dim=32, encoder_in_channels=[64, 128, 256],
+        vision_features_channels=[64, 64, 64], encoder_hidden_dim=64, decoder_hidden_dim=64, num_queries=20,
+        encoder_dim_feedforward=128, decoder_num_layers=2, encoder_layers=1, decoder_num_heads=4,
+        encoder_attention_heads=4, cache_size=3)
+    model = OmDetTurboForObjectDetection(config).eval()
+    Counting(model.language_backbone.model.embeddings)
+    return model
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    tokenizer = clip_tokenizer_in(tmp_path_factory.mktemp("tok"))
+    tokenizer.model_max_length = 77
+    return OmDetTurboProcessor(image_processor=DetrImageProcessor(size={"height": 224, "width": 224}),
+                               tokenizer=tokenizer)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with PromptStore(tmp_path / "store", memory_bytes=0) as s:
+        yield s
+
+
+def inputs(processor, classes=CLASSES):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 240, 3), dtype=np.uint8))
+    return processor(images=[image], text=[list(classes)], task=["Detect {}.".format(", ".join(classes))],
+                     return_tensors="pt")
+
+
+def edit(model) -> None:
+    """A text-tower weight changed in place (a shift: the detector's cosine logits ignore a uniform scale)."""
+    with torch.no_grad():
+        model.language_backbone.model.final_layer_norm.bias.add_(0.3)
+
+
+def detect(model, batch):
+    with torch.no_grad(), Counting(model.language_backbone.model.embeddings) as runs:
+        out = model(**batch)
+    return out, runs.rows
+
+
+def same(a, b) -> None:
+    assert (a.decoder_class_logits - b.decoder_class_logits).abs().max().item() <= 1e-5
+    assert (a.decoder_coord_logits - b.decoder_coord_logits).abs().max().item() <= 1e-5
+
+
+def test_a_hit_and_a_new_process_equal_the_plain_detector_and_run_no_text(processor, store, tmp_path):
+    batch = inputs(processor)
+    want, plain_rows = detect(build(), batch)
+    assert plain_rows == len(CLASSES) + 1
+    model = serve_omdet(build(), store)
+    miss, rows = detect(model, batch)
+    assert rows == len(CLASSES) + 1
+    hit, rows = detect(model, batch)
+    assert rows == 0  # five classes through caches of three: served from the store, nothing evicted for good
+    same(miss, want)
+    same(hit, want)
+    with PromptStore(tmp_path / "store", memory_bytes=0) as reopened:
+        fresh, rows = detect(serve_omdet(build(), reopened), batch)
+    assert rows == 0
+    same(fresh, want)
+
+
+def test_transformers_own_caches_thrash_over_cache_size(processor):
+    model, batch = build(), inputs(processor)
+    detect(model, batch)
+    _, rows = detect(model, batch)
+    assert rows > 0  # what serve_omdet removes: an LRU of 3 classes cycling through 5
+
+
+def test_an_edited_text_tower_misses_where_transformers_own_cache_serves_what_it_computed_before(processor, store):
+    batch = inputs(processor, CLASSES[:2])  # within cache_size: transformers' own caches keep every value
+    plain, model = build(), serve_omdet(build(), store)
+    detect(plain, batch)
+    detect(model, batch)
+    edit(plain)
+    edit(model)
+    edited = build()
+    edit(edited)
+    want, _ = detect(edited, batch)
+    got, rows = detect(model, batch)
+    assert rows == 2 + 1
+    same(got, want)
+    stale, rows = detect(plain, batch)  # its own caches, keyed by token ids only, serve the old values
+    assert rows == 0
+    assert (stale.decoder_class_logits - want.decoder_class_logits).abs().max().item() > 1e-4
+
+
+def test_a_stored_value_that_differs_from_the_tower_now_is_recomputed(processor, store, monkeypatch):
+    monkeypatch.setattr(omdet_module._Backbone, "fingerprint", lambda self: "omdet:blind")
+    model = serve_omdet(build(), store)
+    detect(model, inputs(processor, CLASSES[:2]))
+    edit(model)  # a change the (blinded) key does not see
+    edited = build()
+    edit(edited)
+    batch = inputs(processor)
+    want, _ = detect(edited, batch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = detect(model, batch)
+    assert sum(issubclass(w.category, PromptStoreWarning) for w in caught) == 1
+    same(got, want)
+
+
+def test_other_models_are_refused(store):
+    with pytest.raises(InvalidInputError):
+        serve_omdet(torch.nn.Linear(2, 2), store)
