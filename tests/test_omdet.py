@@ -148,6 +148,19 @@ def test_a_stored_value_that_differs_from_the_tower_now_is_recomputed(processor,
     same(got, want)
 
 
+def test_serving_again_from_another_store_reads_only_that_store(processor, store, tmp_path):
+    batch = inputs(processor)
+    model = serve_omdet(build(), store)
+    detect(model, batch)
+    with PromptStore(tmp_path / "other", memory_bytes=0) as other:
+        serve_omdet(model, other)
+        _, rows = detect(model, batch)
+        assert rows == len(CLASSES) + 1  # nothing in the other store
+        _, rows = detect(model, batch)
+        assert rows == 0
+    assert len(model._forward_pre_hooks) == 1
+
+
 def test_other_models_are_refused(store):
     with pytest.raises(InvalidInputError):
         serve_omdet(torch.nn.Linear(2, 2), store)

@@ -52,9 +52,11 @@ def serve_omdet(model: Any, store: PromptStore | None = None) -> Any:
     capacity = int(model.config.cache_size)
     model.language_cache_class = _StoredCache(side, "class", capacity)
     model.language_cache_prompt = _StoredCache(side, "task", capacity)
-    if not any(getattr(h, "__self__", None) is not None and isinstance(h.__self__, _Backbone)
-               for h in model._forward_pre_hooks.values()):
-        model.register_forward_pre_hook(side.new_call)
+    # One hook, of the store served now (serve_omdet again: another store replaces the first).
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if isinstance(getattr(hook, "__self__", None), _Backbone):
+            del model._forward_pre_hooks[hook_id]
+    model.register_forward_pre_hook(side.new_call)
     return model
 
 
