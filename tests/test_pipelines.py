@@ -11,6 +11,7 @@ per label.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +225,53 @@ def test_other_tasks_and_families_are_refused_before_any_work(tokenizers, store)
     with pytest.raises(UnsupportedModelError):  # a detector's model under the classification task
         pipeline(CLASSIFY, model=model, tokenizer=tokenizers["classify"], image_processor=images, store=store)
     assert store.ls() == []
+
+
+def grounding(tmp_path_factory=None, seed: int = 0):
+    """A small random Grounding DINO (Swin and BERT from transformers' classes), its image processor and
+    a BERT tokenizer over a few words."""
+    import tempfile
+
+    from transformers import BertConfig, BertTokenizer, GroundingDinoConfig, GroundingDinoForObjectDetection
+    from transformers import GroundingDinoImageProcessor, SwinConfig
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "a", "forklift", "pallet", "person", "in", "hard", "hat",
+             "cardboard", "box", "truck"]
+    vocab = Path(tempfile.mkdtemp()) / "vocab.txt"
+    vocab.write_text("\n".join(words) + "\n")
+    torch.manual_seed(seed)
+    config = GroundingDinoConfig(
+        backbone_config=SwinConfig(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], out_indices=[2, 3, 4],
+                                   window_size=7, image_size=224),
+        text_config=BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               vocab_size=len(words)),
+        d_model=32, encoder_layers=1, decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=20,
+        encoder_attention_heads=4, decoder_attention_heads=4, num_feature_levels=3, encoder_n_points=2,
+        decoder_n_points=2, max_text_len=32)
+    model = GroundingDinoForObjectDetection(config).eval()
+    return model, BertTokenizer(str(vocab)), GroundingDinoImageProcessor(size={"shortest_edge": 224, "longest_edge": 224})
+
+
+def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the_plain_call(store):
+    model, tokenizer, images = grounding()
+    Counting(model.model.text_backbone.embeddings)
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    pics = pictures(2)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    want = [plain(p, **call) for p in pics]
+    with Counting(model.model.text_backbone.embeddings) as runs:
+        miss = served(pics[0], **call)
+    assert runs.rows == len(LABELS)
+    with Counting(model.model.text_backbone.embeddings) as runs:
+        hit = [served(p, **call) for p in pics]
+    assert runs.rows == 0
+    for got, ref in zip([miss, *hit], [want[0], *want], strict=True):
+        same_scores(got, ref, atol=1e-5)
+    # An edited text weight: another key, every label encoded again, equal to the plain call.
+    with torch.no_grad():
+        model.model.text_backbone.embeddings.LayerNorm.bias.add_(0.3)
+    with Counting(model.model.text_backbone.embeddings) as runs:
+        edited = served(pics[0], **call)
+    assert runs.rows == len(LABELS)
+    same_scores(edited, plain(pics[0], **call), atol=1e-5)

@@ -18,6 +18,12 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 - ``zero-shot-object-detection``: OWL-ViT and OWLv2. transformers' pipeline runs the detector once
   per label, image tower included; here the image tower runs once per image and each label reuses
   its feature map (the heads are computed per label as before).
+- ``zero-shot-object-detection``: Grounding DINO. Its feature enhancer fuses text with the image, so
+  only the text backbone's output (every token's hidden state) is stored, keyed by the label's
+  token ids and token types, the special tokens that shape its attention masks and ``max_text_len``;
+  the whole detector runs on it as in the plain call. One label per forward: a missing label runs
+  the backbone for itself only, so there is no stored label to check beside it, and hits are
+  served on their keys.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ __all__ = ["pipeline", "CLASSIFIER_FAMILIES", "DETECTOR_FAMILIES"]
 # model_type -> the attribute path of the text tower whose pooled output the model's forward uses as is.
 CLASSIFIER_FAMILIES = {"clip": "text_model", "metaclip_2": "text_model", "siglip": "text_model",
                        "siglip2": "text_model"}
-DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model"}
+DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model",
+                     "grounding-dino": "model.text_backbone"}
 _TASKS = {"zero-shot-image-classification": CLASSIFIER_FAMILIES, "zero-shot-object-detection": DETECTOR_FAMILIES}
 
 
@@ -107,7 +114,12 @@ class _TextSide:
         tower = self.tower
         device = next(tower.parameters()).device.type
         live = module_identity(tower, what=f"{self.model.config.model_type}'s text tower")
-        return f"hf-text:{type(self.model).__qualname__}.{self.path}:device={device}:{live}:{ambient_identity()}"
+        # Grounding DINO derives the backbone's attention masks and positions from the ids with these.
+        owner_path = self.path.rpartition(".")[0]
+        owner = _attr(self.model, owner_path) if owner_path else self.model
+        extra = (f":special={getattr(owner, 'special_tokens', None)!r}:max_text_len={self.model.config.max_text_len}"
+                 if hasattr(owner, "special_tokens") else "")
+        return f"hf-text:{type(self.model).__qualname__}.{self.path}:device={device}:{live}{extra}:{ambient_identity()}"
 
     def pooled(self, input_ids: Any, attention_mask: Any | None) -> Any:
         """The tower's pooled output for every row of ``input_ids``, as ``tower(...).pooler_output`` gives it.
@@ -152,6 +164,38 @@ class _TextSide:
         device = input_ids.device
         return torch.stack([found[n] for n in names]).to(device=device, dtype=dtype)
 
+    def grounded(self, model_inputs: Any) -> Any:
+        """Grounding DINO's forward on one label, its text backbone's hidden states from the store."""
+        import torch
+
+        ids = model_inputs["input_ids"]
+        types = model_inputs.get("token_type_ids")
+        if ids.shape[0] != 1:
+            with torch.no_grad():
+                return self.model(**model_inputs)
+        recipes = Recipes(self.store, self.fingerprint())
+        name = _row_name(ids[0], None) + ("" if types is None else "|types:" + ",".join(map(str, types[0].tolist())))
+        dtype = next(self.tower.parameters()).dtype
+        entry = self.store.get(recipes.text(name), kind=TEXT_KIND)
+        hidden = _read(entry, dtype, ndim=2)
+        if hidden is not None:
+            self.served += 1
+            with torch.no_grad(), self.serving(hidden=hidden[None].to(ids.device)):
+                return self.model(**model_inputs)
+        seen: list[Any] = []
+        handle = self.tower.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                outputs = self.model(**model_inputs)
+        finally:
+            handle.remove()
+        self.encoded += 1
+        if len(seen) == 1 and seen[0].shape[0] == 1:
+            self.store.put(recipes.text(name), {"text": _storable(seen[0][0].detach().cpu())}, kind=TEXT_KIND,
+                           cost_s=time.perf_counter() - t0, meta={"encoder": recipes.efp})
+        return outputs
+
     def _encode(self, input_ids: Any, attention_mask: Any | None) -> Any:
         import torch
 
@@ -160,12 +204,13 @@ class _TextSide:
             return self.tower(input_ids=input_ids, return_dict=True, **kwargs).pooler_output
 
     @contextmanager
-    def serving(self, pooled: Any) -> Any:
-        """The model's text tower replaced, for one forward, by one that returns ``pooled``."""
+    def serving(self, pooled: Any = None, hidden: Any = None) -> Any:
+        """The model's text tower replaced, for one forward, by one that returns ``pooled`` (its
+        pooled output) or ``hidden`` (every token's hidden state)."""
         owner_path, _, name = self.path.rpartition(".")
         owner = _attr(self.model, owner_path) if owner_path else self.model
         original = getattr(owner, name)
-        setattr(owner, name, _Served(pooled))
+        setattr(owner, name, _Served(pooled, hidden))
         try:
             yield
         finally:
@@ -178,13 +223,13 @@ def _row_name(ids: Any, mask: Any | None) -> str:
     return "ids:" + ",".join(str(int(t)) for t in row.tolist()) + tail
 
 
-def _read(entry: Any, dtype: Any) -> Any:
-    """A stored pooled row as a CPU tensor of ``dtype``, or None (a miss)."""
+def _read(entry: Any, dtype: Any, ndim: int = 1) -> Any:
+    """A stored row (pooled: 1-D; every token's hidden state: 2-D) as a CPU tensor of ``dtype``, or None (a miss)."""
     import torch
 
     from ._zeroshot import _STORED
 
-    if entry is None or "text" not in entry.tensors or entry.tensors["text"].ndim != 1:
+    if entry is None or "text" not in entry.tensors or entry.tensors["text"].ndim != ndim:
         return None
     if entry.dtypes.get("text") != _STORED.get(str(dtype).removeprefix("torch.")):
         return None
@@ -199,20 +244,21 @@ def _served_module() -> Any:
     class Served(torch.nn.Module):
         """A text tower's stand-in for one forward: the pooled rows it was given, for exactly that batch."""
 
-        def __init__(self, pooled: Any) -> None:
+        def __init__(self, pooled: Any, hidden: Any) -> None:
             super().__init__()
-            self.pooled = pooled
+            self.pooled, self.hidden = pooled, hidden
 
         def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if input_ids is None or input_ids.shape[0] != self.pooled.shape[0]:
+            rows = (self.pooled if self.pooled is not None else self.hidden).shape[0]
+            if input_ids is None or input_ids.shape[0] != rows:
                 raise RuntimeError("promptstore: the served text tower was called with another batch")
-            return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=self.pooled)
+            return BaseModelOutputWithPooling(last_hidden_state=self.hidden, pooler_output=self.pooled)
 
     return Served
 
 
-def _Served(pooled: Any) -> Any:  # noqa: N802 - builds the module class on first use (torch is imported lazily)
-    return _served_module()(pooled)
+def _Served(pooled: Any, hidden: Any = None) -> Any:  # noqa: N802 - the module class is built on first use (torch lazily)
+    return _served_module()(pooled, hidden)
 
 
 class _Classifier:
@@ -248,6 +294,9 @@ class _Detector:
         is_last = model_inputs.pop("is_last")
         model = self.model  # type: ignore[attr-defined]
         side = self._promptstore
+        if side.path == DETECTOR_FAMILIES["grounding-dino"]:
+            outputs = side.grounded(model_inputs)
+            return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
         input_ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
         pixel_values = model_inputs["pixel_values"]
         pooled = side.pooled(input_ids, mask)
