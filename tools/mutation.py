@@ -190,12 +190,14 @@ GROUPS = [
         "promptstore/vision/_verify.py": ("feature_error", "check_feature")},
           ("tests/test_verify.py", "tests/test_vision_verify.py"),
           sample=4),
-    # transformers' zero-shot pipelines and OmDet-Turbo's caches: the text side's key, which rows are served, in what order.
+    # transformers' zero-shot pipelines, OmDet-Turbo's caches and SAM 3's prompts: the text side's key, which rows
+    # are served, in what order.
     Group("pipelines", {"promptstore/vision/_pipelines.py": ("_TextSide.fingerprint", "_TextSide.pooled", "_row_name",
                                                              "_read"),
                         "promptstore/vision/_omdet.py": ("_Backbone.fingerprint", "_StoredCache.has", "_StoredCache.put",
-                                                         "_StoredCache._confirmed", "_StoredCache._read", "_payload")},
-          ("tests/test_pipelines.py", "tests/test_omdet.py"), sample=4),
+                                                         "_StoredCache._confirmed", "_StoredCache._read", "_payload"),
+                        "promptstore/vision/_sam3.py": ("_Sam3Text.fingerprint", "_Sam3Text.set_classes", "_read")},
+          ("tests/test_pipelines.py", "tests/test_omdet.py", "tests/test_sam3.py"), sample=4),
     # What a live model, tower or tokenizer is, as it runs now.
     Group("identity", {"promptstore/_live/__init__.py": ALL, "promptstore/_live/_walk.py": ALL,
                        "promptstore/_live/_modules.py": ALL, "promptstore/_live/_ambient.py": ALL,

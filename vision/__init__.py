@@ -9,6 +9,8 @@
   SigLIP 2) and ``zero-shot-object-detection`` (OWL-ViT, OWLv2) pipelines, their text tower
   served from the store.
 - ``serve_omdet``: OmDet-Turbo's class and task caches backed by the store.
+- ``serve_sam3``: SAM 3's concept prompts (``SAM3SemanticModel.set_classes``, which the image and
+  video semantic predictors call) from the store.
 
 No text encoder runs for a text the store has seen, and none is even loaded when every text
 hits. Keys name the towers, heads and tokenizers as they run now (``promptstore._live``).
@@ -26,6 +28,7 @@ from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
 from ._omdet import serve_omdet
 from ._owl import owl_detect
 from ._pipelines import pipeline
+from ._sam3 import serve_sam3
 from ._visual import VisualReport, visual_pe
 from ._zeroshot import zero_shot_classifier
 
@@ -43,4 +46,5 @@ __all__ = [
     "owl_detect",
     "pipeline",
     "serve_omdet",
+    "serve_sam3",
 ]
