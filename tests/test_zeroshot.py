@@ -15,7 +15,7 @@ import torch
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
 
 from promptstore import PromptStore
-from promptstore.errors import InvalidInputError, PromptStoreWarning
+from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 from promptstore.vision import zero_shot_classifier
 from promptstore.vision._classes import TEXT_KIND
 
@@ -476,3 +476,20 @@ def test_stats_count_each_prompt_under_vision_text_and_a_hit_saves_what_its_miss
         assert "unknown" not in store.stats()["kinds"]
     assert (text["misses"], text["hits"]) == (6, 6)
     assert 0.1 <= text["seconds_saved"] <= took
+
+
+@pytest.mark.parametrize("mask", ["simple", "random", "shuffle"])  # "syntax" needs nltk (not installed here)
+def test_a_tokenizer_with_a_random_reduction_mask_is_refused_before_anything_is_stored(mask, tmp_path):
+    """open_clip's reduction masks keep a random part of a text longer than the context: its tokens (and so
+    its features) vary from call to call, so no stored feature may stand for them."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    model, _ = clip()
+    tokenizer = SimpleTokenizer(context_length=77, reduction_mask=mask)
+    long = " ".join(["a pallet stacked high beside the loading dock"] * 20)
+    rows = tokenizer([long] * 8)
+    assert len({tuple(r.tolist()) for r in rows}) > 1  # the same text, tokenized eight ways
+    with PromptStore(tmp_path / "s") as store:
+        with pytest.raises(UnsupportedModelError, match="reduction mask"):
+            zero_shot_classifier(model, tokenizer, CLASSES[:2], TEMPLATES[:1], store=store)
+        assert store.ls() == []

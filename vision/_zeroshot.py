@@ -49,12 +49,18 @@ def tower_fingerprint(model: Any, tokenizer: Any) -> str:
 
     Raises:
         InvalidInputError: not an open_clip model.
-        UnsupportedModelError: dropout active in training mode, or state that cannot be named.
+        UnsupportedModelError: dropout active in training mode, a tokenizer whose output is random
+            (a reduction mask), or state that cannot be named.
     """
     from promptstore._live import ambient_identity, module_identity, tokenizer_identity
 
     if not hasattr(model, "encode_text"):
         raise InvalidInputError(f"expected an open_clip model with encode_text, got {type(model).__name__}")
+    if getattr(tokenizer, "reduction_fn", None) is not None:
+        # open_clip's reduction masks (simple, random, shuffle, syntax) pick the kept tokens of a
+        # text longer than the context at random: no stored feature may stand for its output.
+        raise UnsupportedModelError("zero_shot_classifier: a tokenizer with a reduction mask (reduction_mask=...) "
+                                    "tokenizes long texts at random; use one without")
     live = module_identity(model, entries=("encode_text",), skip="visual", what="the open_clip text tower")
     device = next(model.parameters()).device.type
     return (f"open_clip-text:{type(model).__qualname__}:device={device}:{live}:{tokenizer_identity(tokenizer)}:"
