@@ -164,7 +164,7 @@ def test_another_detector_gets_no_hits(clip_tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"queries": []}, {"queries": ["a", "a"]}, {"queries": ["a\x00"]}, {"queries": "a forklift"},
+    {"queries": []}, {"queries": ["a\ud800"]}, {"queries": [3]}, {"queries": "a forklift"},
     {"images": None}, {"pixel_values": torch.zeros(3, 128, 128)},
 ])
 def test_bad_input_fails_before_any_work(clip_tokenizer, tmp_path, kwargs):
@@ -176,6 +176,22 @@ def test_bad_input_fails_before_any_work(clip_tokenizer, tmp_path, kwargs):
         with pytest.raises(InvalidInputError):
             owl_detect(model, processor, args.pop("queries"), store=store, **args)
         assert runs.rows == 0 and not store.ls()
+
+
+def test_repeated_and_newline_ended_queries_equal_the_plain_call(clip_tokenizer, tmp_path):
+    """What the processor accepts is accepted: a repeated query, and one ending in a newline."""
+    model, processor = build("owlv2", clip_tokenizer)
+    queries = ["a forklift", "a forklift", "a pallet\n", "a pallet"]
+    imgs = images(1)
+    want = plain(model, processor, queries, imgs)
+    with PromptStore(tmp_path / "s") as store:
+        miss = owl_detect(model, processor, queries, images=imgs, store=store)
+        with TextRuns(model) as runs:
+            hit = owl_detect(model, processor, queries, images=imgs, store=store)
+    assert runs.rows == 0
+    for got in (miss, hit):
+        assert (got.logits - want.logits).abs().max().item() <= 1e-5
+        assert (got.pred_boxes - want.pred_boxes).abs().max().item() <= 1e-5
 
 
 def test_other_models_are_refused(clip_tokenizer, tmp_path):

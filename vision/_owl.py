@@ -18,7 +18,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
-from ._classes import TEXT_KIND, Recipes, check_names
+from ._classes import TEXT_KIND, Recipes
 from ._verify import Refuted, check_feature, warn_refuted
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
@@ -32,6 +32,21 @@ def _base(model: Any) -> tuple[Any, str]:
     if name == "OwlViTForObjectDetection":
         return model.owlvit, "owlvit"
     raise InvalidInputError(f"expected transformers' Owlv2ForObjectDetection or OwlViTForObjectDetection, got {name}")
+
+
+def _check_queries(queries: Any) -> list[str]:
+    """The queries as the processor takes them: a non-empty list of strings. Repeats and control
+    characters are the caller's (each exact string is its own key, encoded as the processor encodes it)."""
+    if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or not queries:
+        raise InvalidInputError("queries must be a non-empty list of strings")
+    for q in queries:
+        if not isinstance(q, str):
+            raise InvalidInputError(f"queries must be strings, got {q!r}")
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"query {q!r} is not valid Unicode (a lone surrogate)") from None
+    return list(queries)
 
 
 def owl_query_fingerprint(model: Any, processor: Any) -> str:
@@ -135,7 +150,7 @@ def owl_detect(model: Any, processor: Any, queries: Sequence[str], *, images: An
     import torch
 
     _base(model)
-    queries = check_names(list(queries) if not isinstance(queries, str) else queries)
+    queries = _check_queries(queries)
     if (images is None) == (pixel_values is None):
         raise InvalidInputError("give images or pixel_values (one of them)")
     if pixel_values is None:
