@@ -532,6 +532,30 @@ def test_visual_prompts_are_computed_once(store):
     assert not visual_pe(again, ASSETS / "bus.jpg", moved, store=store).hit
 
 
+def test_a_second_identical_visual_prompt_on_the_same_model_hits(store):
+    """ultralytics' predictor fuses Conv+BN in place on the first call: the key names the fused model."""
+    prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5]]), "cls": np.array([0])}
+    model = yoloe()
+    assert not visual_pe(model, ASSETS / "bus.jpg", prompts, store=store).hit
+    assert visual_pe(model, ASSETS / "bus.jpg", prompts, store=store).hit
+
+
+def test_grayscale_and_pil_reference_images_equal_ultralytics_own_path(store):
+    """What ultralytics accepts is accepted: a 2-D grayscale array; and a PIL image (read as RGB) is
+    another input than the array of its bytes (read as BGR)."""
+    from PIL import Image
+
+    prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5]]), "cls": np.array([0])}
+    rgb = np.asarray(Image.open(ASSETS / "bus.jpg").convert("RGB"))
+    gray = np.ascontiguousarray(rgb[..., 0])
+    for image in (gray, Image.fromarray(rgb), rgb):
+        model = yoloe()
+        assert not visual_pe(model, image, prompts, store=store).hit
+        reference = yoloe()
+        reference.predict(rgb, visual_prompts=prompts, refer_image=image, verbose=False)
+        assert (reference.model.pe - model.model.pe).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("prompts", [{}, {"bboxes": np.zeros((1, 3)), "cls": np.array([0])},
                                      {"bboxes": np.zeros((2, 4)), "cls": np.array([0])},
                                      {"bboxes": np.array([[0, 0, np.nan, 1]]), "cls": np.array([0])}])

@@ -43,10 +43,12 @@ def _image_digest(image: Any) -> str:
             raise InvalidInputError(f"reference image {path} is not a file")
         h.update(b"file:" + path.read_bytes())
     else:
+        # ultralytics reads a PIL image as RGB and an array as BGR: the same bytes are two inputs.
+        pil = type(image).__module__.startswith("PIL.")
         arr = np.asarray(image)
-        if arr.dtype != np.uint8 or arr.ndim != 3:
-            raise InvalidInputError("a reference image is a path, a PIL image or an HxWxC uint8 array")
-        h.update(f"array:{arr.shape}".encode())
+        if arr.dtype not in (np.uint8, np.uint16) or arr.ndim not in (2, 3) or not all(arr.shape):
+            raise InvalidInputError("a reference image is a path, a PIL image or an HxW or HxWxC uint8/uint16 array")
+        h.update(f"{'pil:' + image.mode if pil else 'array'}:{arr.dtype}:{arr.shape}".encode())
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
 
@@ -74,14 +76,15 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
 
     Args:
         model: an ``ultralytics.YOLOE``.
-        refer_image: path, PIL image or HxWx3 uint8 array.
+        refer_image: path, PIL image, or HxW / HxWxC uint8 or uint16 array (BGR, as ultralytics reads arrays).
         visual_prompts: ``{"bboxes": (N, 4) xyxy pixels, "cls": (N,) class index per box}``.
         store: default ``PromptStore()``.
         imgsz: inference size the embedding is computed at.
 
     Returns:
         A :class:`VisualReport`; afterwards ``model.predict`` detects the prompted classes
-        (named ``object0``, ``object1``... as ultralytics names them).
+        (named ``object0``, ``object1``... as ultralytics names them). The model is fused
+        (Conv+BN) as ultralytics' predictor fuses it.
 
     Raises:
         InvalidInputError: bad image, prompts or model; nothing is stored, the model unchanged.
@@ -93,6 +96,10 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
     _head_width(inner, kind)  # prompt-free or fused heads are refused before any work
     image_fp = _image_digest(refer_image)
     prompt_fp, n_cls = _prompt_digest(visual_prompts)
+    if hasattr(inner, "is_fused") and not inner.is_fused():
+        # ultralytics' predictor fuses Conv+BN in place the first time it runs the model (this call's
+        # miss path too): fused first, the key names the model every later call sees.
+        inner.fuse(verbose=False)
     detector = _detector_identity(inner)
     store = store if store is not None else PromptStore()
     # Fixed-width digests and an int, framed as fingerprints: nothing is joined by a separator.
@@ -115,9 +122,15 @@ def _detector_identity(inner: Any) -> str:
     from promptstore._live import ambient_identity, module_identity
 
     # No dropout check: ultralytics' predictor puts the model in eval mode before it embeds.
-    # nc and names follow the classes last applied (by this call too): the embedding never reads them.
-    live = module_identity(inner, entries=("forward", "predict", "get_visual_pe", "get_vpe"), what="the YOLOE model", random=True)
-    return f"yoloe-detector:{type(inner).__name__}:{live}:{ambient_identity()}"
+    # nc, names and pe follow the classes last applied (by this call too): the embedding never reads
+    # them (YOLOEModel.predict returns the visual embedding before get_cls_pe reads pe).
+    # The head apart, as set_classes keys it: its own nc is set with the classes too.
+    head = f"model.{len(inner.model) - 1}"
+    body = module_identity(inner, entries=("forward", "predict", "get_visual_pe", "get_vpe"), skip=head,
+                           ignore=("nc", "names", "pe"), what="the YOLOE model", random=True)
+    live = module_identity(inner.model[-1], entries=("forward", "get_vpe"), ignore=("nc",), what="the YOLOE head",
+                           random=True)
+    return f"yoloe-detector:{type(inner).__name__}:{body}:{live}:{ambient_identity()}"
 
 
 def _compute(wrapper: Any, inner: Any, refer_image: Any, prompts: dict[str, Any], imgsz: int) -> np.ndarray:
