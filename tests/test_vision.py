@@ -658,3 +658,31 @@ def test_an_interrupted_warm_classes_keeps_finished_batches_and_resumes(tmp_path
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["encoded"] == 24
+
+
+def _traced_text_tower(path, seed: int) -> None:
+    """A small TorchScript text tower with the interface of ultralytics' MobileCLIP .ts files
+    ((n, 77) token ids in, (n, 512) features out), saved to ``path``."""
+    torch.manual_seed(seed)
+    tower = torch.nn.Sequential(torch.nn.Embedding(49408, 8), torch.nn.Flatten(), torch.nn.Linear(8 * 77, 512)).eval()
+    torch.jit.save(torch.jit.trace(tower, torch.zeros(2, 77, dtype=torch.long)), str(path))
+
+
+def test_an_encoder_is_keyed_by_the_weights_file_bytes_it_loaded(tmp_path):
+    """A weights file replaced between construction and the first build, or after the build: the
+    features are stored under the digest of the bytes loaded, and a replaced file is loaded again."""
+    a, b, path = tmp_path / "a.ts", tmp_path / "b.ts", tmp_path / "mobileclip_blt.ts"
+    _traced_text_tower(a, 1)
+    _traced_text_tower(b, 2)
+    path.write_bytes(a.read_bytes())
+    encoder = UltralyticsTextEncoder("mobileclip:blt", weights=path)
+    as_a = encoder.fingerprint
+    path.write_bytes(b.read_bytes())  # replaced before the first build
+    feats = encoder.encode(["a forklift"])
+    fresh_b = UltralyticsTextEncoder("mobileclip:blt", weights=b)
+    assert encoder.fingerprint == fresh_b.fingerprint != as_a
+    assert np.array_equal(feats, fresh_b.encode(["a forklift"]))
+    path.write_bytes(a.read_bytes())  # replaced after the build: built again from it
+    fresh_a = UltralyticsTextEncoder("mobileclip:blt", weights=a)
+    assert encoder.fingerprint == fresh_a.fingerprint
+    assert np.array_equal(encoder.encode(["a forklift"]), fresh_a.encode(["a forklift"]))

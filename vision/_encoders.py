@@ -64,10 +64,13 @@ class _BatchedEncoder:
     _model: Any
     _built: Any = None  # the tower's live identity right after it was built
 
+    _loaded: str | None = None  # the digest of the weights file's bytes the built tower was loaded from
+
     @property
     def fingerprint(self) -> str:
         from promptstore._live import ambient_identity
 
+        self._follow_file()
         fp = f"{self._source_fingerprint()}:{ambient_identity()}"
         if self._model is None:
             return fp
@@ -75,6 +78,43 @@ class _BatchedEncoder:
         return fp if live == self._built else f"{fp}:live:{live}"
 
     def _source_fingerprint(self) -> str: ...
+
+    def _weights_file(self) -> Path | None:
+        """The file the tower is built from (None: no file, e.g. random weights)."""
+        return None
+
+    def _file_digest(self) -> str:
+        """The weights file's digest: of the bytes loaded once built, of the file on disk before."""
+        if self._model is not None and self._loaded is not None:
+            return self._loaded
+        path = self._weights_file()
+        return file_digest(path) if path is not None else ""
+
+    def _follow_file(self) -> None:
+        """A weights file replaced since the build: the tower is dropped and built again from it."""
+        path = self._weights_file()
+        if self._model is None or self._loaded is None or path is None:
+            return
+        try:
+            now = file_digest(path)
+        except OSError:
+            return  # gone: the built tower still serves under the bytes it was loaded from
+        if now != self._loaded:
+            self._model, self._built, self._loaded = None, None, None
+
+    def _load_file(self, load: Any) -> Any:
+        """``load()`` the weights file, keyed by the bytes it read (the file hashed before and after).
+
+        Raises:
+            ModelUnavailableError: the file changed while it was being loaded.
+        """
+        path = self._weights_file()
+        before = file_digest(path) if path is not None else None
+        model = load()
+        if path is not None and file_digest(path) != before:
+            raise ModelUnavailableError(f"{path} changed while it was being loaded; try again")
+        self._loaded = before
+        return model
 
     def _live_identity(self) -> Any:
         from promptstore._live import module_identity
@@ -207,14 +247,22 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
             source = (f"random-text-tower:seed={seed}:open_clip={open_clip.__version__}"
                       f":torch={torch.__version__.split('+')[0]}")
         elif Path(pretrained).is_file():
-            source = f"file:{file_digest(pretrained)}:open_clip={open_clip.__version__}"
+            source = f"file:{{file}}:open_clip={open_clip.__version__}"  # the bytes loaded, or on disk until then
         else:
             source = f"tag:{pretrained}:open_clip={open_clip.__version__}"  # its code pools and projects
         # The context actually run changes the features of some towers: it is part of the name.
         self._fp = f"open_clip:{model_name}:{source}:context={'trimmed' if self.trim else 'full'}"
 
     def _source_fingerprint(self) -> str:
-        return self._fp
+        if "{file}" not in self._fp:
+            return self._fp
+        # A file gone before any build keys nothing that could have been computed from it.
+        return self._fp.replace("{file}", self._file_digest() or f"missing:{self.pretrained}")
+
+    def _weights_file(self) -> Path | None:
+        if self.pretrained is None or not Path(self.pretrained).is_file():
+            return None
+        return Path(self.pretrained)
 
     @property
     def random_weights(self) -> bool:
@@ -233,7 +281,8 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
                         torch.manual_seed(self.seed)
                         model = _random_text_tower(self._cfg).to(self.device)
                 else:
-                    model = open_clip.create_model(self.model_name, pretrained=str(self.pretrained), device=self.device)
+                    model = self._load_file(lambda: open_clip.create_model(self.model_name, pretrained=str(self.pretrained),
+                                                                           device=self.device))
             except RuntimeError as exc:
                 raise ModelUnavailableError(f"cannot load open_clip weights {self.pretrained!r}: {exc}") from exc
             self._model = model.eval()
@@ -322,9 +371,14 @@ class UltralyticsTextEncoder(_BatchedEncoder):
         return next((c for c in candidates if c.is_file()), None)
 
     def _source_fingerprint(self) -> str:
+        if self._model is not None and self._loaded is not None:
+            return f"ultralytics:{self.variant}:file:{self._loaded}"
         if self.weights is not None and self.weights.is_file():
             return f"ultralytics:{self.variant}:file:{file_digest(self.weights)}"
         return f"ultralytics:{self.variant}:published:{self.file_name}"
+
+    def _weights_file(self) -> Path | None:
+        return self.weights
 
     def _build(self) -> Any:
         if self._model is None:
@@ -338,7 +392,7 @@ class UltralyticsTextEncoder(_BatchedEncoder):
                 )
             with warnings.catch_warnings():  # torch 2.14 marks jit.load deprecated; ultralytics still ships .ts
                 warnings.simplefilter("ignore", FutureWarning)
-                self._model = torch.jit.load(str(self.weights), map_location=self.device).eval()
+                self._model = self._load_file(lambda: torch.jit.load(str(self.weights), map_location=self.device)).eval()
             self._record_built()
         return self._model
 
