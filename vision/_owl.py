@@ -145,12 +145,19 @@ def owl_detect(model: Any, processor: Any, queries: Sequence[str], *, images: An
         ``post_process_*`` functions take it as it is.
 
     Raises:
-        InvalidInputError: a model or processor of another kind, bad queries, no images.
+        InvalidInputError: a model or processor of another kind, bad queries, no images, a
+            left-padding tokenizer.
     """
     import torch
 
     _base(model)
     queries = _check_queries(queries)
+    if getattr(getattr(processor, "tokenizer", None), "padding_side", "right") == "left":
+        # The detector tells padded query slots by their first token (transformers' query_mask:
+        # input_ids[..., 0] > 0): left padding marks every padded query as absent, so the plain
+        # call masks them out of the logits. Nothing served could equal that usefully.
+        raise InvalidInputError("OWL queries need a right-padding tokenizer: with padding_side='left' the detector "
+                                "reads every padded query as absent (set processor.tokenizer.padding_side = 'right')")
     if (images is None) == (pixel_values is None):
         raise InvalidInputError("give images or pixel_values (one of them)")
     if pixel_values is None:
