@@ -188,19 +188,23 @@ def ambient_identity() -> str:
     return "ambient:" + xxhash.xxh3_128_hexdigest("\n".join(ambient_lines(_torch())).encode())
 
 
-def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
+def tokenizer_identity(tokenizer: Any, what: str = "tokenizer", ignore: tuple[str, ...] = ()) -> str:
     """A tokenizer's live options and tables (see ``_tokenizers``), read on every call.
+
+    ``ignore``: attributes left out, at any depth (a processor's ``image_processor``, which a
+    text-only call never runs).
 
     Raises:
         UnsupportedModelError: a tokenizer holding state that cannot be named.
     """
     if tokenizer is None:
         return "tokenizer:none"
-    memo = _TOKENIZERS.get(tokenizer)
+    memos = _TOKENIZERS.get(tokenizer) or {}
+    memo = memos.get(ignore)
     if memo is not None and memo[0] is type(tokenizer) and memo[1].same():
         return str(memo[2])
     walk = Walk(_torch())
-    walk.ignore = TOKENIZER_IGNORED
+    walk.ignore = TOKENIZER_IGNORED | frozenset(ignore)
     walk.root = id(tokenizer)
     try:
         walk.value(tokenizer, what)
@@ -208,7 +212,7 @@ def tokenizer_identity(tokenizer: Any, what: str = "tokenizer") -> str:
     except Unidentifiable as exc:
         raise UnsupportedModelError(f"cannot identify the {what} ({exc.path}: {exc.what})") from None
     out = "tokenizer:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
-    _TOKENIZERS.set(tokenizer, (type(tokenizer), walk.reads, out))
+    _TOKENIZERS.set(tokenizer, {**memos, ignore: (type(tokenizer), walk.reads, out)})
     return out
 
 

@@ -206,6 +206,19 @@ def test_a_left_padding_tokenizer_is_refused_before_any_work(tmp_path):
         assert runs.rows == 0 and not store.ls()
 
 
+def test_an_image_processor_setting_keeps_the_queries_hits(clip_tokenizer, tmp_path):
+    """The processor's image side never sees a query: changing it is no new query key."""
+    model, processor = build("owlv2", clip_tokenizer)
+    imgs = images(1)
+    with PromptStore(tmp_path / "s") as store:
+        owl_detect(model, processor, QUERIES, images=imgs, store=store)
+        processor.image_processor.do_rescale = False
+        with TextRuns(model) as runs:
+            got = owl_detect(model, processor, QUERIES, images=imgs, store=store)
+    assert runs.rows == 0
+    assert (got.logits - plain(model, processor, QUERIES, imgs).logits).abs().max().item() <= 1e-5
+
+
 def test_other_models_are_refused(clip_tokenizer, tmp_path):
     with PromptStore(tmp_path / "s") as store, pytest.raises(InvalidInputError, match="Owl"):
         owl_detect(torch.nn.Linear(2, 2), None, QUERIES, images=images(1), store=store)

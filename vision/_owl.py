@@ -54,8 +54,8 @@ def owl_query_fingerprint(model: Any, processor: Any) -> str:
 
     The live identity (:mod:`promptstore._live`) of the text tower and the projection (every
     tensor, setting, hook and the code their forward reaches), the processor with its
-    tokenizer (options, special and added tokens, vocabulary; read on every call), the
-    ambient torch state (autocast), and the model class and device type.
+    tokenizer (options, special and added tokens, vocabulary; read on every call) but not its
+    image processor, the ambient torch state (autocast), and the model class and device type.
 
     Raises:
         InvalidInputError: not an OWL detector and its processor.
@@ -69,8 +69,10 @@ def owl_query_fingerprint(model: Any, processor: Any) -> str:
     device = next(model.parameters()).device.type
     text = module_identity(base.text_model, what=f"{family}'s text tower")
     projection = module_identity(base.text_projection, what=f"{family}'s text projection")
+    # The processor's text side only: its image processor never sees a query.
+    processor_id = tokenizer_identity(processor, "processor", ignore=("image_processor",))
     return (f"{family}-text:{type(model).__qualname__}:device={device}:{text}:{projection}:"
-            f"{tokenizer_identity(processor, 'processor')}:{ambient_identity()}")
+            f"{processor_id}:{ambient_identity()}")
 
 
 def _query_embeddings(model: Any, processor: Any, queries: list[str], store: PromptStore) -> tuple[Any, int]:
