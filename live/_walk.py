@@ -225,7 +225,17 @@ class _CodeMemo:
             if isinstance(const, types.CodeType):
                 self._describe(const, body, consts, names)
             else:
-                consts.append(f"{type(const).__name__}:{const!r}")
+                consts.append(f"{type(const).__name__}:{_const_repr(const)}")
+
+
+def _const_repr(const: Any) -> str:
+    """A code constant's repr, the same in every process: a frozenset (``x in {"a", "b"}`` compiles
+    to one) is iterated in an order string hashing, randomised per process, decides."""
+    if isinstance(const, frozenset):
+        return "frozenset({" + ", ".join(sorted(_const_repr(c) for c in const)) + "})"
+    if isinstance(const, tuple):
+        return "(" + ", ".join(_const_repr(c) for c in const) + ("," if len(const) == 1 else "") + ")"
+    return repr(const)
 
 
 def _extent(code: types.CodeType) -> str:

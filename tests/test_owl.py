@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import open_clip
@@ -217,6 +218,28 @@ def test_an_image_processor_setting_keeps_the_queries_hits(clip_tokenizer, tmp_p
             got = owl_detect(model, processor, QUERIES, images=imgs, store=store)
     assert runs.rows == 0
     assert (got.logits - plain(model, processor, QUERIES, imgs).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["owlv2", "owlvit"])
+def test_a_fresh_process_with_another_hash_seed_finds_the_queries(kind, tmp_path):
+    """Code constants such as ``x in {"a", "b"}`` (a frozenset, iterated in an order each process's
+    string hashing decides) are named the same in every process: a fresh process hits."""
+    from conftest import run_python
+
+    (tmp_path / "tok").mkdir()
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_owl import build, clip_tokenizer_in, images, QUERIES, TextRuns
+        from promptstore import PromptStore
+        from promptstore.vision import owl_detect
+        model, processor = build({kind!r}, clip_tokenizer_in({str(tmp_path / "tok")!r}))
+        with PromptStore({str(tmp_path / "s")!r}) as store, TextRuns(model) as runs:
+            owl_detect(model, processor, QUERIES, images=images(1), store=store)
+        print("ROWS", runs.rows)
+    """
+    rows = [int(run_python(code, env={"PYTHONHASHSEED": seed}).stdout.split("ROWS")[-1]) for seed in ("1", "2")]
+    assert rows == [len(QUERIES), 0]
 
 
 def test_other_models_are_refused(clip_tokenizer, tmp_path):
