@@ -28,6 +28,7 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -237,7 +238,9 @@ def _read(entry: Any, dtype: Any, ndim: int = 1) -> Any:
     return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if dtype == torch.bfloat16 else torch.from_numpy(arr)
 
 
+@functools.cache
 def _served_module() -> Any:
+    """The stand-in's class, built once (torch is imported lazily)."""
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
