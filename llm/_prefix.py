@@ -338,8 +338,25 @@ class PrefixCache:
             return None, 0
         cache = make_cache(buffers, n_cached, self.model.config)
         if state is not None:
-            restore_states(cache, state, self.model.device)
+            restore_states(cache, state, self.model.device, n_cached)
+            if not self._holds(cache, n_cached):
+                return None, 0
         return cache, n_cached
+
+    def _holds(self, cache: Any, n: int) -> bool:
+        """Whether a restored cache says it holds the ``n`` tokens served: the model takes the next
+        positions and masks from that count, so a cache that counts otherwise (a layer whose
+        bookkeeping the restore does not know) would continue from the wrong place. Such a request
+        runs from scratch, with a warning."""
+        try:
+            held = int(cache.get_seq_length())
+        except (ValueError, TypeError):
+            return True  # a cache of running states only, with no count to compare (older transformers)
+        if held == n:
+            return True
+        warnings.warn(f"promptstore: {type(self.model).__name__}'s cache counts {held} tokens after restoring {n}; "
+                      "recomputed from scratch", PromptStoreWarning, stacklevel=4)
+        return False
 
     def _verified(self, ids: np.ndarray, buffers: tuple[Any, Any], n: int) -> bool:
         """Whether the ``n`` tokens read into ``buffers`` are what the model computes now (see _verify.py).

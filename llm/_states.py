@@ -66,8 +66,8 @@ def states_fit(entry: Any, signature: dict[str, tuple[tuple[int, ...], str]]) ->
         tuple(tensors[n].shape) == shape and entry.dtypes[n] == dtype for n, (shape, dtype) in signature.items())
 
 
-def restore_states(cache: Any, entry: Any, device: Any) -> None:
-    """Put a stored state into the cache's state layers, as if the model had just run the prefix.
+def restore_states(cache: Any, entry: Any, device: Any, n_tokens: int) -> None:
+    """Put a stored state of ``n_tokens`` tokens into the cache's state layers, as if the model had just run them.
 
     Always normal tensors, even under ``torch.inference_mode()``: the model updates them in place,
     and a caller may continue the cache outside it (as for the KV buffers, see KVBuffers.allocate).
@@ -76,6 +76,12 @@ def restore_states(cache: Any, entry: Any, device: Any) -> None:
 
     with torch.inference_mode(False):
         _restore(cache, entry, device)
+        for idx in state_layers(cache):
+            # A layer that counts the tokens it has run (transformers' cumulative_length_linear) answers
+            # the cache's get_seq_length, from which the model takes the next positions and masks.
+            count = getattr(cache.layers[idx], "cumulative_length_linear", None)
+            if count is not None:
+                cache.layers[idx].cumulative_length_linear = torch.tensor(n_tokens, dtype=count.dtype, device=device)
 
 
 def _restore(cache: Any, entry: Any, device: Any) -> None:

@@ -359,6 +359,36 @@ def test_blocks_stored_by_a_run_resuming_mid_prompt_cost_its_rate(models, store,
     assert {info.key: info.cost_s for info in store.ls()}[block] == pytest.approx(1.0)  # 2 s / 16 tokens x 8
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba"])
+def test_a_restored_cache_that_counts_other_tokens_than_it_was_served_is_recomputed(name, models, store, monkeypatch):
+    """The model takes its next positions from the cache's own count: a restore that leaves a count the
+    library does not know about wrong (planted here by zeroing every state layer's count) is a miss
+    with a warning, equal to a recompute, instead of scores computed at the wrong positions."""
+    import promptstore.llm._prefix as prefix
+    from promptstore.errors import PromptStoreWarning
+
+    real = prefix.restore_states
+
+    def restore_then_forget_the_count(cache, entry, device, n_tokens):
+        real(cache, entry, device, n_tokens)
+        for layer in cache.layers:
+            if hasattr(layer, "cumulative_length_linear"):
+                layer.cumulative_length_linear = torch.zeros_like(layer.cumulative_length_linear)
+            if hasattr(layer, "cumulative_length"):  # a layer keeping its count beside a state (jamba)
+                layer.cumulative_length = 0
+
+    model = models[name]
+    ids = np.random.default_rng(9).integers(1, vocab_of(model), 30).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(ids)
+    monkeypatch.setattr(prefix, "restore_states", restore_then_forget_the_count)
+    longer = ids + [3, 4, 5]
+    with pytest.warns(PromptStoreWarning, match="counts 0 tokens after restoring 30"):
+        got = pc.prefill(longer)[1]
+    assert pc.stats["last"]["served"] == 0
+    assert_same(got, plain(model, longer), ATOL, "after a restore that miscounts")
+
+
 def test_a_cache_restored_under_inference_mode_continues_outside_it(models, store):
     """Restored states are normal tensors: the caller may continue the cache outside inference_mode."""
     model = models["qwen3_next"]
