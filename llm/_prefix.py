@@ -474,7 +474,7 @@ class PrefixCache:
         parent = self._block_keys(ids, b)[-1] if b else None
         # Recomputing a state means running its whole prefix: that is what it saves.
         self.store.put(key, read_states(cache), kind=STATE_KIND, cost_s=seconds_per_token * n, parent=parent,
-                       meta={"tokens": str(n)})
+                       meta={"tokens": str(n)}, background=True)
 
     def _tail_key(self, parent: bytes | None, first_token: int) -> bytes:
         """Where the partial block after ``parent`` (None: the chain's root) starting with ``first_token`` lives."""
@@ -644,14 +644,14 @@ class PrefixCache:
             parent = keys[b - 1] if b else None
             if self.store.put(keys[b], {"k": self._to_stored(k), "v": self._to_stored(v)}, kind=KIND,
                               cost_s=seconds_per_token * self.block_tokens, parent=parent,
-                              meta={"block": str(b), "tokens": str(self.block_tokens)}):
+                              meta={"block": str(b), "tokens": str(self.block_tokens)}, background=True):
                 # A later prompt that leaves this block part-way (a new question after the same
                 # document) finds it from the block before, like a tail, and reuses what it shares.
                 # It holds the block's token ids only: the block's key follows from them.
                 # A child of the block it names, so it goes when the block goes.
                 self.store.put(self._tail_key(parent, int(ids[lo])), {"tokens": ids[lo:hi].astype(np.int32)},
                                kind=KIND, cost_s=seconds_per_token * self.block_tokens, parent=keys[b],
-                               meta={"full": str(b)})
+                               meta={"full": str(b)}, background=True)
         lo = last_block * self.block_tokens
         if n > lo:
             self._store_tail(ids[lo:n], kv, lo, keys[last_block - 1] if last_block else None, seconds_per_token)
@@ -671,7 +671,7 @@ class PrefixCache:
             v = self._stack(kv, 1, lo, hi)
         self.store.put(key, {"tokens": tokens.astype(np.int32), "k": self._to_stored(k), "v": self._to_stored(v)},
                        kind=KIND, cost_s=seconds_per_token * len(tokens), parent=parent,
-                       meta={"tail": str(len(tokens)), "tokens": str(self.block_tokens)})
+                       meta={"tail": str(len(tokens)), "tokens": str(self.block_tokens)}, background=True)
 
     def _stack(self, kv: list[tuple[Any, Any]], side: int, lo: int, hi: int) -> Any:
         """Keys (side 0) or values (1) of tokens ``lo:hi`` for every KV layer: (layers, heads, tokens, width)."""

@@ -19,6 +19,7 @@ from ._keys import Key, coerce_key, make_key
 from ._sizes import parse_size
 from ._stats import Stats
 from ._tiers import DiskTier, MemoryTier, Tier
+from ._writer import Writer
 from .errors import ConfigError, InvalidEntryError, PromptStoreWarning, StorePathError
 
 __all__ = ["PromptStore", "default_path"]
@@ -119,6 +120,7 @@ class PromptStore:
             if not isinstance(redis_prefix, str) or not redis_prefix:
                 raise ConfigError("redis_prefix must be a non-empty str")
             self._tiers.append(RedisTier(redis_url, parse_size(redis_bytes), prefix=redis_prefix, clock=clock))
+        self._writer = Writer()
         self._finalizer = weakref.finalize(self, _close_tiers, list(self._tiers))
 
     # -- plumbing ------------------------------------------------------------------------
@@ -169,6 +171,7 @@ class PromptStore:
         meta: Mapping[str, str] | None = None,
         parent: Key | str | None = None,
         ttl_s: float | None = None,
+        background: bool = False,
     ) -> bool:
         """Store named tensors under ``key`` in every tier (replacing what was there).
 
@@ -184,9 +187,14 @@ class PromptStore:
                 parent first: a persistent tier only takes entries whose chain it can walk
                 from the root, copying ancestors it lacks from the other tiers.
             ttl_s: drop the entry this many seconds after its last hit.
+            background: validate now, write after returning (on the store's writer thread, in
+                the order puts were made). Reads in this process wait for a queued key, a normal
+                exit and :meth:`close` complete every queued write (:meth:`flush` waits for them);
+                a killed process loses what was still queued. The arrays must not change after
+                the call.
 
         Returns:
-            True if at least one tier kept the entry.
+            True if at least one tier kept the entry (``background``: True once queued).
 
         Raises:
             InvalidKeyError: bad key or parent.
@@ -195,7 +203,22 @@ class PromptStore:
         """
         prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, meta=meta, parent=parent, ttl_s=ttl_s,
                            namespace=self.namespace)
+        if background and self._writer.submit(prepared["key"], lambda: self._write_queued(prepared)):
+            return True
+        if self._writer:
+            self._writer.wait(prepared["key"])  # a queued value of this key must not land after this one
         return self._put_entry(build(prepared))
+
+    def _write_queued(self, prepared: dict[str, Any]) -> None:
+        try:
+            self._put_entry(build(prepared))
+        except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller, nor the writer
+            warnings.warn(f"a background put failed ({type(exc).__name__}: {exc}); the entry is a miss",
+                          PromptStoreWarning, stacklevel=1)
+
+    def flush(self) -> None:
+        """Wait until every put made with ``background=True`` so far is written."""
+        self._writer.flush()
 
     def _put_entry(self, entry: Entry, tiers: Iterable[Tier] | None = None) -> bool:
         stored = False
@@ -258,6 +281,8 @@ class PromptStore:
             InvalidKeyError: ``key`` is not a key.
         """
         k = key if type(key) is bytes and len(key) == 32 else coerce_key(key)
+        if self._writer:
+            self._writer.wait(k)
         missed: list[str] = []
         for i, tier in enumerate(self._tiers):
             # Inlined _guard: this is the hot path of every memory hit.
@@ -290,6 +315,8 @@ class PromptStore:
 
     def __contains__(self, key: object) -> bool:
         k = coerce_key(key)
+        if self._writer:
+            self._writer.wait(k)
         return any(self._guard(t, "contains", t.contains, k) == self.namespace for t in self._tiers)
 
     def delete(self, key: Key | str) -> bool:
@@ -301,6 +328,7 @@ class PromptStore:
         # A tier only knows the chain links of what it holds (a child may have been promoted
         # into memory without its parent), so what any tier removes is removed from all.
         # Chains never cross namespaces (see _chain_ready), so neither does the cascade.
+        self._writer.flush()  # a queued child of this key must be written before the cascade
         todo, gone = [coerce_key(key)], set()
         while todo:
             k = todo.pop()
@@ -320,6 +348,7 @@ class PromptStore:
             kind: only entries of this kind.
             all_namespaces: the administrator's view: every tenant's entries in these tiers.
         """
+        self._writer.flush()
         seen: dict[bytes, EntryInfo] = {}
         for tier in self._tiers:
             for info in self._guard(tier, "ls", lambda t=tier: list(t.infos(kind)), default=[]):
@@ -362,9 +391,13 @@ class PromptStore:
         if entry.blob is None:
             raise InvalidEntryError("the entry has no encoded bytes (entries come from get, peek or a bundle)")
         tiers = [t for t in self._tiers if t.persistent] if persistent_only else None
+        if self._writer:
+            self._writer.wait(entry.key)
         return self._put_entry(entry, tiers or None)
 
     def _peek(self, key: bytes) -> Entry | None:
+        if self._writer:
+            self._writer.wait(key)
         for tier in self._tiers:
             entry: Entry | None = self._guard(tier, "peek", tier.peek, key)
             if entry is not None:
@@ -385,6 +418,7 @@ class PromptStore:
             "budget", "evictions", ...}}}``. ``seconds_saved`` sums the recorded cost of
             every hit. The disk tier adds ``lifetime`` counters kept in its folder.
         """
+        self._writer.flush()
         snap = self._stats.snapshot()
         tiers = {t.name: self._guard(t, "stats", t.usage, default={"error": "unavailable"}) for t in self._tiers}
         if not all_namespaces:
@@ -412,6 +446,7 @@ class PromptStore:
             "tiers": [per-tier reports]}``. ``checked`` counts entries, each once however many
             tiers hold it (each tier's report has its own count); ``ok`` is True when nothing was wrong.
         """
+        self._writer.flush()
         ns = None if all_namespaces else self.namespace
         entries = {i.key for i in self.ls(all_namespaces=all_namespaces)}
         reports = [self._guard(t, "verify", t.verify, ns, default={"tier": t.name, "checked": 0,
@@ -431,6 +466,7 @@ class PromptStore:
         Returns:
             ``{"tiers": [per-tier reports]}`` with what each tier removed.
         """
+        self._writer.flush()
         ns = None if all_namespaces else self.namespace
         return {"tiers": [self._guard(t, "gc", t.gc, ns, default={"tier": t.name}) for t in self._tiers]}
 
@@ -453,6 +489,8 @@ class PromptStore:
         """
         from ._bundle import export_bundle
 
+        self._writer.flush()
+
         return export_bundle(self, path, keys=keys, kind=kind)
 
     def import_bundle(self, path: str | os.PathLike[str]) -> int:
@@ -470,7 +508,8 @@ class PromptStore:
         return import_bundle(self, path)
 
     def close(self) -> None:
-        """Flush counters and close files and connections. The store is unusable after."""
+        """Complete queued writes, flush counters and close files and connections. The store is unusable after."""
+        self._writer.close()
         self._finalizer()
 
     def __enter__(self) -> PromptStore:

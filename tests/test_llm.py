@@ -748,3 +748,23 @@ def test_attention_only_models_store_no_running_states(tiny, store):
     pc.prefill(ids)
     pc.generate(ids + [3], max_new_tokens=4, do_sample=False)
     assert store.ls("llm.kv") and not store.ls("llm.state")
+
+
+def test_a_request_returns_before_its_blocks_are_written_and_the_next_finds_them(tiny, tmp_path):
+    """Storing never delays the answer: with the disk's writes held back, prefill returns; the next request
+    in the process waits for the blocks it needs and is served them."""
+    import threading
+
+    with PromptStore(tmp_path / "store", memory_bytes=0) as store:
+        pc = PrefixCache(tiny, store=store, block_tokens=16)
+        disk = next(t for t in store.tiers if t.persistent)
+        release, real = threading.Event(), disk.put
+        disk.put = lambda entry: (entry.kind != "llm.kv" or release.wait(60)) and real(entry)
+        ids = np.random.default_rng(12).integers(0, 500, 70).tolist()
+        _, logits = pc.prefill(ids)
+        assert not release.is_set()  # it returned while every write was still held back
+        threading.Timer(0.3, release.set).start()
+        out = pc.generate(ids + [1, 2], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert pc.stats["last"]["served"] == 70
+        assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+        assert out[0].tolist() == greedy(tiny, ids + [1, 2], n=3)

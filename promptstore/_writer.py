@@ -1,0 +1,72 @@
+"""Write-behind: puts that finish after the call that made them returns.
+
+One writer thread per store runs them in the order they were made, so a chained entry is
+written after its parent, as a synchronous put would be. A read of a key whose write is still
+queued waits for that write, so a process always finds what it stored. The thread is a
+normal (non-daemon) one: at a normal interpreter exit every queued write completes before the
+store's files close. A killed process loses the writes still queued; each tier's writes are
+atomic, so what it leaves is a miss, never a partial entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["Writer"]
+
+
+class Writer:
+    """Runs write jobs on one background thread, in order, keyed so that a read can wait for one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[bytes, Future[None]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def submit(self, key: bytes, job: Callable[[], None]) -> bool:
+        """Queue ``job`` (which must not raise) as the write of ``key``; False if it cannot be queued.
+
+        It cannot at interpreter shutdown: the caller then writes synchronously.
+        """
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-writer")
+            try:
+                future = self._pool.submit(job)
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+                return False
+            self._pending[key] = future
+        future.add_done_callback(functools.partial(self._done, key))
+        return True
+
+    def _done(self, key: bytes, future: Future[None]) -> None:
+        with self._lock:
+            if self._pending.get(key) is future:
+                del self._pending[key]
+
+    def wait(self, key: bytes) -> None:
+        """Return once the queued write of ``key`` (and so every write queued before it) has run."""
+        future = self._pending.get(key)
+        if future is not None:
+            future.result()
+
+    def flush(self) -> None:
+        """Return once every write queued so far has run."""
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread."""
+        self.flush()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -1,0 +1,114 @@
+"""Puts written after the call returns (``put(background=True)``): what a process, its exit and a kill leave."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from promptstore import PromptStore
+from promptstore.errors import InvalidEntryError
+
+
+def _block_disk_puts(store: PromptStore) -> threading.Event:
+    """Make the store's disk tier wait for the returned event before each put (the write, not a stand-in)."""
+    disk = next(t for t in store.tiers if t.persistent)
+    release = threading.Event()
+    real = disk.put
+
+    def put(entry):
+        release.wait(30)
+        return real(entry)
+
+    disk.put = put  # type: ignore[method-assign]
+    return release
+
+
+def test_a_background_put_returns_before_it_is_written_and_reads_wait_for_it(tmp_path):
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        release = _block_disk_puts(store)
+        key = store.key("t", "a")
+        x = np.arange(10, dtype=np.float32)
+        t0 = time.perf_counter()
+        assert store.put(key, {"x": x}, kind="t", background=True)
+        assert time.perf_counter() - t0 < 5  # the disk put is blocked: the call did not wait for it
+        threading.Timer(0.3, release.set).start()
+        got = store.get(key)  # waits for the queued write
+        assert got is not None and np.array_equal(got.tensors["x"], x)
+
+
+def test_background_puts_keep_their_order_so_a_child_follows_its_parent(tmp_path):
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        keys = [store.key("t", str(i)) for i in range(20)]
+        for i, key in enumerate(keys):
+            store.put(key, {"x": np.full(4, i, np.int32)}, kind="t", parent=keys[i - 1] if i else None, background=True)
+        store.flush()
+        assert {e.key for e in store.ls("t")} == set(keys)
+        assert all(store.peek(k).parent == (keys[i - 1] if i else None) for i, k in enumerate(keys))
+
+
+def test_a_later_put_of_a_key_lands_after_a_queued_one(tmp_path):
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        release = _block_disk_puts(store)
+        key = store.key("t", "a")
+        store.put(key, {"x": np.zeros(3, np.float32)}, kind="t", background=True)
+        threading.Timer(0.3, release.set).start()
+        store.put(key, {"x": np.ones(3, np.float32)}, kind="t")
+        assert np.array_equal(store.get(key).tensors["x"], np.ones(3, np.float32))
+
+
+def test_bad_input_is_refused_at_the_call_not_in_the_background(tmp_path):
+    with PromptStore(tmp_path / "s") as store:
+        with pytest.raises(InvalidEntryError):
+            store.put(store.key("t", "a"), {"x": np.zeros(3, dtype=object)}, kind="t", background=True)
+        with pytest.raises(InvalidEntryError):
+            store.put(store.key("t", "a"), {"x": np.zeros(3)}, kind="t", cost_s=-1, background=True)
+        assert store.ls() == []
+
+
+EXIT_RIGHT_AFTER = """
+import sys, numpy as np
+from promptstore import PromptStore
+store = PromptStore(sys.argv[1], memory_bytes=0)
+for i in range(40):
+    x = np.random.default_rng(i).standard_normal(250_000).astype(np.float32)  # 1 MB each
+    store.put(store.key("t", str(i)), {"x": x}, kind="t", background=True)
+print("queued", flush=True)
+"""  # and exits without closing the store
+
+
+def test_a_normal_exit_right_after_background_puts_writes_them_all(tmp_path):
+    path = tmp_path / "s"
+    out = subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER, str(path)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.strip() == "queued"
+    with PromptStore(path, memory_bytes=0) as store:
+        for i in range(40):
+            got = store.get(store.key("t", str(i)))
+            assert got is not None, i
+            assert np.array_equal(got.tensors["x"], np.random.default_rng(i).standard_normal(250_000).astype(np.float32))
+        assert store.verify()["ok"]
+
+
+KILLED_WHILE_QUEUED = EXIT_RIGHT_AFTER.replace('print("queued", flush=True)',
+                                               'print("queued", flush=True)\nimport time; time.sleep(60)')
+
+
+def test_a_process_killed_with_puts_queued_leaves_whole_entries_or_none(tmp_path):
+    path = tmp_path / "s"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_QUEUED, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "queued"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    with PromptStore(path, memory_bytes=0) as store:
+        assert store.verify()["ok"]
+        for i in range(40):
+            got = store.get(store.key("t", str(i)))
+            if got is not None:  # written before the kill: whole
+                assert np.array_equal(got.tensors["x"],
+                                      np.random.default_rng(i).standard_normal(250_000).astype(np.float32))
