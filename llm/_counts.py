@@ -9,8 +9,10 @@ class Counts:
     """Token counters of a request, or of all requests (``add``)."""
 
     # verified: hits whose served KV was recomputed in part and compared; refuted: those that
-    # disagreed (computed from scratch instead).
-    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests", "verified", "refuted")
+    # disagreed (computed from scratch instead); declined: stored tokens recomputed because that
+    # was expected to be faster than running the rest over them (PrefixCache's reuse="auto").
+    FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests", "verified", "refuted",
+                               "declined")
 
     def __init__(self) -> None:
         for name in self.FIELDS:

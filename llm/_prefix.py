@@ -46,6 +46,7 @@ from ._buffers import (
     warm_allocator,
 )
 from ._counts import Counts
+from ._decide import Rates
 from ._fingerprint import ambient_fingerprint, cache_code_fingerprint, model_fingerprint, model_structure, tokenizer_fingerprint
 from ._inputs import check_generation, check_lengths, refuse_padding
 from ._states import STATE_KIND, read_states, restore_states, states_fit
@@ -108,17 +109,24 @@ class PrefixCache:
         verify: recompute a few served positions of every hit and compare their KV (see
             _verify.py); a hit that disagrees is computed from scratch. ``False`` serves on
             the keys alone.
+        reuse: ``"auto"``: ``prefill`` and ``generate`` use a stored prefix only where running
+            the rest over it is expected to be faster than running the whole prompt, from this
+            model's measured rates (see _decide.py: a small share of a long prompt is
+            recomputed; ``stats`` counts it as ``declined``). ``"always"``: any stored prefix.
 
     Raises:
         InvalidInputError: bad block size or kv_dtype.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, store: PromptStore | None = None, block_tokens: int = 64,
-                 kv_dtype: Any = None, verify: bool = True) -> None:
+                 kv_dtype: Any = None, verify: bool = True, reuse: str = "auto") -> None:
         if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidInputError(f"block_tokens must be a positive int, got {block_tokens!r}")
         if not isinstance(verify, bool):
             raise InvalidInputError(f"verify must be True or False, got {verify!r}")
+        if reuse not in ("auto", "always"):
+            raise InvalidInputError(f"reuse must be 'auto' or 'always', got {reuse!r}")
+        self.reuse = reuse
         self.model = model
         self.verify = verify
         self.tokenizer = tokenizer
@@ -141,6 +149,7 @@ class PrefixCache:
         self._total = Counts()
         self._last = Counts()
         self._prefill_tps: float | None = None  # measured prefill tokens/s, to price generated blocks
+        self._rates: Rates | None = None  # this setting's measured forward rates: reuse or recompute
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
         self._parted = 0  # this request's longest stored KV prefix (see _lookup)
         self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
@@ -322,6 +331,10 @@ class PrefixCache:
         need = max(len(ids) + RESERVE_TOKENS, n_blocks * self.block_tokens)
         buffers = self._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_cached = self._lookup_into(ids, buffers)
+        if n_cached and in_forward and self.reuse == "auto" and not self._states() and \
+                not self._rates_here().reuse(n_cached, len(ids)):
+            self._last.declined = n_cached  # recomputing it all is expected to be faster
+            return None, 0
         if n_cached and in_forward and self._checks() and self._in_forward and not self._states():
             cache = make_cache(buffers, n_cached, self.model.config)
             if InForward.fits(self.model, cache):
@@ -342,6 +355,16 @@ class PrefixCache:
             if not self._holds(cache, n_cached):
                 return None, 0
         return cache, n_cached
+
+    def _rates_here(self) -> Rates:
+        if self._rates is None:
+            self._rates = Rates(self.store, self.model, self._get_layout()[4], self.model.device)
+        return self._rates
+
+    def _measured(self, served: int, total: int, seconds: float) -> None:
+        """Record a forward's time for the reuse decision (not for models with running states: see _run)."""
+        if self.reuse == "auto" and not self._states():
+            self._rates_here().record(served, total, seconds)
 
     def _holds(self, cache: Any, n: int) -> bool:
         """Whether a restored cache says it holds the ``n`` tokens served: the model takes the next
@@ -776,6 +799,7 @@ class PrefixCache:
             cache, n_cached = None, 0
             ran = self._run(ids, 0, len(ids), None, last_apart=True)
         cache, logits, seconds = ran
+        self._measured(n_cached, len(ids), seconds)
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
         self._end()
@@ -849,6 +873,7 @@ class PrefixCache:
         self._last.served, self._last.computed = n_cached, len(ids) - n_cached
         if first.at is not None:
             self._prefill_tps = (len(ids) - ran_from) / max(first.at - t0, 1e-9)
+            self._measured(ran_from, len(ids), first.at - t0)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         seq = sequences[0].detach().cpu().numpy()
         self._last.generated = len(seq) - len(ids)

@@ -106,7 +106,7 @@ def test_hit_runs_exactly_the_uncached_tokens(tiny, store):
     pc.prefill(ids[:70])  # stores blocks 0..3 (64 tokens) and the 6-token tail
     counter = TokenCounter(tiny)
     pc.prefill(ids)
-    assert pc.stats["last"] == {"queried": 100, "served": 70, "computed": 30, "generated": 0, "requests": 1, "verified": 1, "refuted": 0}
+    assert pc.stats["last"] == {"queried": 100, "served": 70, "computed": 30, "generated": 0, "requests": 1, "verified": 1, "refuted": 0, "declined": 0}
     assert counter.n == 30 + CHECKED  # and the hit's check, in the same forward
     counter.n = 0
     pc.prefill(ids)  # now all 100 tokens are stored: only the last one runs
@@ -129,7 +129,7 @@ def test_lookup_miss_and_totals(tiny, store):
     assert pc.lookup([1, 2, 3]) == (None, 0)
     pc.prefill(list(range(40)))
     pc.prefill(list(range(40)) + [7, 8])
-    assert pc.stats["total"] == {"queried": 82, "served": 40, "computed": 42, "generated": 0, "requests": 2, "verified": 1, "refuted": 0}
+    assert pc.stats["total"] == {"queried": 82, "served": 40, "computed": 42, "generated": 0, "requests": 2, "verified": 1, "refuted": 0, "declined": 0}
 
 
 def test_generated_blocks_are_stored_for_the_next_turn(tiny, store):

@@ -1,0 +1,110 @@
+"""Reuse or recompute: whether running a prompt over its stored prefix beats running it all.
+
+A hit runs the uncached tokens over the served ones (attention with an explicit mask, plus the
+hit's check): per unit of work that forward is slower than a full prefill's causal one, so
+serving a small share of a long prompt can cost more than computing it all. The work of a
+forward over positions ``[a, b)`` is counted in multiply-adds, per token ``2·P`` for the
+weights plus ``4·L·d·p`` for attention at position ``p`` (``P`` the parameters outside the
+embeddings, ``L`` layers, ``d`` the query width), so a served prefix, whose positions are the
+cheapest, is valued at what it saves. A stored prefix is used when
+
+    ρ · work(served, total) < work(0, total)
+
+where ``ρ`` is the measured seconds per unit of work of forwards over a served prefix divided
+by that of full prefills, on this architecture, dtype, device and thread count. Forwards of at
+least ``MIN_MEASURED_TOKENS`` tokens are measured (shorter ones are dominated by fixed costs, and
+they are the ones that serve large shares, where the answer never depends on ``ρ``). Until both
+kinds are measured, ``ρ`` is ``DEFAULT_RHO``. Measurements are kept in the store (kind
+``llm.rates``), so a fresh process starts with them.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import threading
+from typing import Any
+
+import numpy as np
+
+from promptstore import PromptStore
+
+__all__ = ["DEFAULT_RHO", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates", "Work"]
+
+RATES_KIND = "llm.rates"
+# Measured on this machine: a forward over stored KV runs 3-9% slower per unit of work than a full
+# prefill (bench/tail_over_past.py); assumed at the slow end until this model's own are measured.
+DEFAULT_RHO = 1.10
+MIN_MEASURED_TOKENS = 128
+_KEEP = 9  # samples kept per kind: the median of the last nine
+
+
+class Work:
+    """Multiply-adds of a forward over positions ``[a, b)`` of one model."""
+
+    def __init__(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(getattr(text, "num_attention_heads", 0) or 0)
+        hidden = int(getattr(text, "hidden_size", 0) or 0)
+        head_dim = int(getattr(text, "head_dim", 0) or 0) or (hidden // heads if heads else 0)
+        self.layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        self.width = heads * head_dim
+        embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                      for p in m.parameters()}
+        self.params = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+
+    def __call__(self, a: int, b: int) -> float:
+        """Work of computing positions ``a`` to ``b - 1`` (each attending to every position before it)."""
+        if b <= a:
+            return 0.0
+        n = b - a
+        attended = (a + b - 1) * n / 2  # sum of positions a..b-1
+        return 2.0 * self.params * n + 4.0 * self.layers * self.width * attended
+
+
+class Rates:
+    """Seconds per unit of work of full prefills and of forwards over a served prefix, for one setting."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, store: PromptStore, model: Any, dtype: Any, device: Any) -> None:
+        import torch
+
+        self.store = store
+        self.work = Work(model)
+        setting = "|".join([type(model).__name__, str(dtype), str(getattr(device, "type", device)),
+                            str(torch.get_num_threads()), platform.machine(), platform.processor()])
+        self.key = store.key(RATES_KIND, setting)
+        self.samples: dict[str, list[float]] = {"full": [], "tail": []}
+        entry = store.get(self.key, kind=RATES_KIND)
+        if entry is not None:
+            for kind in self.samples:
+                arr = entry.tensors.get(kind)
+                if arr is not None and arr.ndim == 1 and arr.dtype == np.float64:
+                    self.samples[kind] = [float(x) for x in arr[-_KEEP:] if np.isfinite(x) and x > 0]
+
+    def rho(self) -> float:
+        """Seconds per unit of work over a served prefix / over a full prefill (``DEFAULT_RHO`` until measured)."""
+        full, tail = self.samples["full"], self.samples["tail"]
+        if not full or not tail:
+            return DEFAULT_RHO
+        return statistics.median(tail) / statistics.median(full)
+
+    def reuse(self, served: int, total: int) -> bool:
+        """Whether running ``total`` tokens over ``served`` stored ones is expected to be faster than all of them."""
+        if served <= 0:
+            return False
+        return self.rho() * self.work(served, total) < self.work(0, total)
+
+    def record(self, served: int, total: int, seconds: float) -> None:
+        """A forward that computed positions ``served`` to ``total`` in ``seconds`` (``served`` 0: a full prefill)."""
+        if total - served < MIN_MEASURED_TOKENS or not seconds > 0:
+            return
+        kind = "tail" if served else "full"
+        with self._lock:
+            samples = self.samples[kind]
+            samples.append(seconds / self.work(served, total))
+            del samples[:-_KEEP]
+            tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.samples.items() if v}
+        self.store.put(self.key, tensors, kind=RATES_KIND, background=True)
