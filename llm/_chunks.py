@@ -265,6 +265,7 @@ class ChunkCache:
             cache, _, seconds = pc._forward(ids, n_exact, n_anchor, cache)
             pc._store_blocks(ids, cache, n_anchor, n_exact // pc.block_tokens, seconds / (n_anchor - n_exact))
         start = max(n_exact, n_anchor)
+        exact_to = start  # every position before it holds the KV a plain prefill computes
         placed = np.zeros(len(ids), bool)
         moved = []  # positions of passages cached in another context than this prompt's
         ends = n_anchor + np.cumsum([len(p) for p in passages], dtype=np.int64)
@@ -277,6 +278,8 @@ class ChunkCache:
                 source[lo:hi] = STORED
             if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
                 moved.append(np.arange(lo, hi))
+            elif lo == start:
+                exact_to = hi
         base = np.flatnonzero(~placed[start:stop]) + start  # the question and whatever has no stored KV
         total = sum(len(m) for m in moved)
         partial = 0 < int(round(self.recompute * total)) < total
@@ -292,9 +295,13 @@ class ChunkCache:
             candidates = np.concatenate(moved)
             ranked = candidates[np.argsort(-self._deviation(ids, buffers, candidates), kind="stable")]
         fraction = self.recompute
-        chosen = self._choose(ids, buffers, moved, fraction, ranked)
-        logits = self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
         estimate = None
+        if moved and fraction >= 1.0:
+            chosen = np.concatenate(moved)
+            logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
+        else:
+            chosen = self._choose(ids, buffers, moved, fraction, ranked)
+            logits = self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
         if self.max_kl is not None and stale is not None and logits is not None:
             # A budget that recomputed nothing more than the last is no evidence: it is never accepted.
             estimate = 0.0 if chosen.size >= total else GUARD_SAFETY * _kl(logits, stale) if chosen.size \
@@ -305,6 +312,10 @@ class ChunkCache:
                 # no budget yet (inf) is no measure of how far off the request is.
                 hopeless = estimate != float("inf") and estimate > self.max_kl * GUARD_FALL ** _doublings_left(fraction)
                 fraction = 1.0 if hopeless else _doubled(fraction)
+                if fraction >= 1.0:
+                    chosen, estimate = np.concatenate(moved), 0.0
+                    logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
+                    break
                 more = np.union1d(chosen, self._choose(ids, buffers, moved, fraction, ranked)).astype(np.int64)
                 if more.size == chosen.size:
                     continue
@@ -320,6 +331,23 @@ class ChunkCache:
         last.estimate = estimate
         cache = make_cache(buffers, stop, self.model.config)
         return cache, logits
+
+    def _exact(self, ids: np.ndarray, buffers: tuple[Any, Any], source: np.ndarray, exact: int, stop: int,
+               moved: np.ndarray) -> Any:
+        """The exact prefill, as PrefixCache runs it: one plain forward over everything after the first
+        ``exact`` positions, whose KV is what a plain prefill computes (the served prefix, the anchor and
+        the passage cached right after it), or over the whole prompt where serving those is not expected
+        to pay (see _decide.py); never the slower scattered pass. Positions run are marked computed, but
+        the ``moved`` passages' (counted as recomputed stored KV); returns the last scores."""
+        pc = self.prefix
+        start = exact if exact and (pc.reuse == "always" or pc._rates_here().reuse(exact, stop)) else 0
+        keep = source[moved] if moved.size else None
+        source[start:] = COMPUTED
+        if keep is not None:
+            source[moved] = keep
+        cache = make_cache(buffers, start, self.model.config)
+        _, out, _ = pc._forward(ids, start, stop, cache)
+        return out[0, -1]
 
     def _from_scratch(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
         """The prompt's first ``stop`` tokens in one plain forward, nothing read or stored: a refuted live state."""
