@@ -31,7 +31,7 @@ Layout = tuple[int, int, int, int, Any]  # (layers, kv heads, key width, value w
 States = dict[str, tuple[tuple[int, ...], str]]  # state tensor name -> (shape, dtype): see _states.py
 
 
-def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[Layout, States]:
+def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache: Any) -> tuple[Layout, States, bool]:
     """probe_model's verdict, from the store when this model structure passed it before.
 
     The verdict depends on what the model computes with apart from its weights' values: its
@@ -60,13 +60,14 @@ def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache:
         except (ValueError, TypeError):
             states = None
         if states is not None:
-            return (layers, heads, k_dim, v_dim, dtype), states
+            return (layers, heads, k_dim, v_dim, dtype), states, entry.meta.get("stepwise") == "1"
     t0 = time.perf_counter()
-    (layers, heads, k_dim, v_dim, dtype), states = probe_model(model, output_cache)
+    (layers, heads, k_dim, v_dim, dtype), states, stepwise = probe_model(model, output_cache)
     store.put(key, {"layout": np.array([layers, heads, k_dim, v_dim], np.int64)}, kind=CHECK_KIND,
               cost_s=time.perf_counter() - t0,
-              meta={"dtype": str(dtype).replace("torch.", ""), "states": json.dumps(states)})
-    return (layers, heads, k_dim, v_dim, dtype), states
+              meta={"dtype": str(dtype).replace("torch.", ""), "states": json.dumps(states),
+                    "stepwise": "1" if stepwise else "0"})
+    return (layers, heads, k_dim, v_dim, dtype), states, stepwise
 
 
 def _rope_types(model: Any) -> set[str]:
@@ -199,16 +200,19 @@ def check_structure(model: Any) -> None:
 
 
 
-def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States]:
-    """(layers that keep KV, kv heads, key width, value width, dtype), and its state tensors, of a model whose prefix KV can be reused exactly (after check_structure).
+def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
+    """(layers that keep KV, kv heads, key width, value width, dtype), its state tensors, and whether it continues
+    a state one token at a time only, of a model whose prefix KV can be reused exactly (after check_structure).
 
     Accepted: one forward fills a transformers ``DynamicCache`` whose layers are plain
     ``DynamicLayer`` or ``DynamicSlidingWindowLayer`` of one shape (keys and values per
     token), possibly beside ``LinearAttentionLayer`` (a running state) and ``DummyLayer`` (no
     cache), with RoPE (if any) whose frequencies do not depend on the sequence length, and
     the same tokens run in pieces over the cache (past the sliding window, if any) give the
-    same scores as one pass (Mamba's own mixer does not continue a state over several tokens:
-    refused here). Everything else is refused
+    same scores as one pass. A model whose every layer is a running state and whose mixer does
+    not continue a state over several tokens (Mamba's, Falcon-Mamba's own) is accepted as
+    ``stepwise`` when the same tokens fed one at a time after the first piece give the one-pass
+    scores: a hit then runs its tokens one at a time. Everything else is refused
     before anything is looked up or stored: a block stored now would be served wrong later.
 
     Raises:
@@ -256,11 +260,36 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States]:
     drift = float((torch.cat(steps) - full_logits).abs().max())
     # Relative: special tokens drive real models to huge activations, where float32 rounding
     # alone reaches 4e-4 of the largest score (SmolLM2). Systematic drift is of its order.
-    if not drift <= 1e-3 * max(1.0, float(full_logits.abs().max())):
+    bound = 1e-3 * max(1.0, float(full_logits.abs().max()))
+    kv = kv_layers(cache)
+    stepwise = False
+    if not drift <= bound and not kv and window is None:
+        # Every layer a running state: maybe its mixer continues a state one token at a time only.
+        stepwise_drift = _stepwise_drift(model, probe, pieces[0][1], cache_arg, output_cache, full_logits)
+        stepwise = stepwise_drift <= bound
+        drift = min(drift, stepwise_drift)
+    if not drift <= bound:
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")
-    kv = kv_layers(cache)
     if not kv:  # every layer a running state: blocks hold no KV, only their place in the chain
-        return (0, 0, 0, 0, next(model.parameters()).dtype), state_signature(cache)
+        return (0, 0, 0, 0, next(model.parameters()).dtype), state_signature(cache), stepwise
     (kshape, vshape, dtype), = {(_no_tokens(k.shape), _no_tokens(v.shape), k.dtype) for k, v in kv}
-    return (len(kv), kshape[1], kshape[3], vshape[3], dtype), state_signature(cache)
+    return (len(kv), kshape[1], kshape[3], vshape[3], dtype), state_signature(cache), stepwise
+
+
+def _stepwise_drift(model: Any, probe: Any, first: int, cache_arg: str, output_cache: Any, full_logits: Any) -> float:
+    """How far the scores of ``probe`` run as its first ``first`` tokens, then one token per forward over the
+    state, are from one pass (inf where that fails)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            piece = model(probe[:, :first], use_cache=True)
+            steps, past = [piece.logits[0].float()], output_cache(piece)
+            for i in range(first, probe.shape[1]):
+                piece = model(probe[:, i : i + 1], use_cache=True, **{cache_arg: past})
+                past = output_cache(piece)
+                steps.append(piece.logits[0].float())
+    except Exception:  # noqa: BLE001 - a model that cannot run this way is not served this way
+        return float("inf")
+    return float((torch.cat(steps) - full_logits).abs().max())

@@ -1,21 +1,25 @@
 """Reuse or recompute: whether running a prompt over its stored prefix beats running it all.
 
 A hit runs the uncached tokens over the served ones (attention with an explicit mask, plus the
-hit's check): per unit of work that forward is slower than a full prefill's causal one, so
-serving a small share of a long prompt can cost more than computing it all. The work of a
-forward over positions ``[a, b)`` is counted in multiply-adds, per token ``2·P`` for the
-weights plus ``4·L·d·p`` for attention at position ``p`` (``P`` the parameters outside the
-embeddings, ``L`` layers, ``d`` the query width), so a served prefix, whose positions are the
-cheapest, is valued at what it saves. A stored prefix is used when
+hit's check), where a full prefill's causal kernel skips the masked half, so serving a small
+share of a long prompt can cost more than computing it all. The work of a forward over
+positions ``[a, b)`` is counted in multiply-adds: per token ``2·P`` for the weights (``P`` the
+parameters outside the embeddings), plus for attention ``4·L·d`` per key attended (``L``
+layers, ``d`` the query width): from no cache each position attends to those before it, over a
+served prefix every new position is computed against all ``b`` keys. A stored prefix is used when
 
     ρ · work(served, total) < work(0, total)
 
 where ``ρ`` is the measured seconds per unit of work of forwards over a served prefix divided
-by that of full prefills, on this architecture, dtype, device and thread count. Forwards of at
+by that of full prefills (what the count above leaves out: the check's positions, kernels' speeds), on this architecture, dtype, device and thread count. Forwards of at
 least ``MIN_MEASURED_TOKENS`` tokens are measured (shorter ones are dominated by fixed costs, and
 they are the ones that serve large shares, where the answer never depends on ``ρ``). Until both
 kinds are measured, ``ρ`` is ``DEFAULT_RHO``. Measurements are kept in the store (kind
 ``llm.rates``), so a fresh process starts with them.
+
+A model that continues a state one token per forward only (Mamba: see probe_model) is served
+when ``(total - served)`` such forwards, at their measured seconds each (``DEFAULT_STEP_TOKENS``
+tokens of a full prefill until measured), take less than one full prefill of ``total`` tokens.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ import numpy as np
 
 from promptstore import PromptStore
 
-__all__ = ["DEFAULT_RHO", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates", "Work"]
+__all__ = ["DEFAULT_RHO", "DEFAULT_STEP_TOKENS", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates", "Work"]
 
 RATES_KIND = "llm.rates"
-# Measured on this machine: a forward over stored KV runs 3-9% slower per unit of work than a full
-# prefill (bench/tail_over_past.py); assumed at the slow end until this model's own are measured.
+# Measured on this machine (SmolLM2, 2k tokens: bench/never_slower.py): a forward over stored KV runs
+# 5-13% slower per unit of work, as counted above, than a full prefill; the slow end until measured.
 DEFAULT_RHO = 1.10
 MIN_MEASURED_TOKENS = 128
+# A one-token forward of a state model costs about this many tokens of a full prefill until measured
+# (weights read once per token instead of once per chunk).
+DEFAULT_STEP_TOKENS = 16
 _KEEP = 9  # samples kept per kind: the median of the last nine
 
 
@@ -55,11 +62,16 @@ class Work:
         self.params = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
 
     def __call__(self, a: int, b: int) -> float:
-        """Work of computing positions ``a`` to ``b - 1`` (each attending to every position before it)."""
+        """Work of computing positions ``a`` to ``b - 1``.
+
+        From no cache (``a == 0``) the causal kernel skips the masked half: each position attends to
+        those before it. Over a served prefix attention runs with an explicit mask, and the kernel
+        computes every query against all ``b`` keys, masked or not.
+        """
         if b <= a:
             return 0.0
         n = b - a
-        attended = (a + b - 1) * n / 2  # sum of positions a..b-1
+        attended = (b - 1) * b / 2 if a == 0 else float(b) * n
         return 2.0 * self.params * n + 4.0 * self.layers * self.width * attended
 
 
@@ -76,7 +88,7 @@ class Rates:
         setting = "|".join([type(model).__name__, str(dtype), str(getattr(device, "type", device)),
                             str(torch.get_num_threads()), platform.machine(), platform.processor()])
         self.key = store.key(RATES_KIND, setting)
-        self.samples: dict[str, list[float]] = {"full": [], "tail": []}
+        self.samples: dict[str, list[float]] = {"full": [], "tail": [], "step": []}
         entry = store.get(self.key, kind=RATES_KIND)
         if entry is not None:
             for kind in self.samples:
@@ -97,14 +109,31 @@ class Rates:
             return False
         return self.rho() * self.work(served, total) < self.work(0, total)
 
+    def reuse_stepwise(self, served: int, total: int) -> bool:
+        """For a model that continues a state one token per forward (Mamba): whether ``total - served`` such
+        forwards are expected to be faster than one forward over all ``total`` tokens."""
+        full, step = self.samples["full"], self.samples["step"]
+        per_token = statistics.median(full) * self.work(0, 1) if full else None
+        if per_token is None:
+            return total - served <= 1  # nothing measured yet: only where no step is needed beyond generate's own
+        step_s = statistics.median(step) if step else DEFAULT_STEP_TOKENS * per_token
+        return served > 0 and (total - served) * step_s < statistics.median(full) * self.work(0, total)
+
+    def record_steps(self, steps: int, seconds: float) -> None:
+        """``steps`` one-token forwards over a state took ``seconds``."""
+        if steps > 0 and seconds > 0:
+            self._add("step", seconds / steps)
+
     def record(self, served: int, total: int, seconds: float) -> None:
         """A forward that computed positions ``served`` to ``total`` in ``seconds`` (``served`` 0: a full prefill)."""
         if total - served < MIN_MEASURED_TOKENS or not seconds > 0:
             return
-        kind = "tail" if served else "full"
+        self._add("tail" if served else "full", seconds / self.work(served, total))
+
+    def _add(self, kind: str, value: float) -> None:
         with self._lock:
             samples = self.samples[kind]
-            samples.append(seconds / self.work(served, total))
+            samples.append(value)
             del samples[:-_KEEP]
             tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.samples.items() if v}
         self.store.put(self.key, tensors, kind=RATES_KIND, background=True)

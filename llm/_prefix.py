@@ -139,7 +139,7 @@ class PrefixCache:
         # Only the last position's scores are returned: computing the others costs a vocabulary-wide
         # projection per prompt token.
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self._layout: tuple[Any, tuple[Layout, States]] | None = None
+        self._layout: tuple[Any, tuple[Layout, States, bool]] | None = None
         self._checkable = False  # whether served positions can be recomputed on this live structure (_verify.py)
         self._check: InForward | None = None  # this request's check, carried by its next forward
         self._in_forward = False  # whether the check can ride in the request's forward (else a forward of its own)
@@ -189,6 +189,13 @@ class PrefixCache:
             self._refresh_layout()
         assert self._layout is not None
         return self._layout[1][1]
+
+    def _stepwise(self) -> bool:
+        """Whether the model continues a running state one token at a time only (Mamba: see probe_model)."""
+        if self._layout is None:
+            self._refresh_layout()
+        assert self._layout is not None
+        return self._layout[1][2]
 
     def _refresh_layout(self) -> None:
         """Check the model as it is now, and re-derive the layout whenever its live identity moved.
@@ -347,6 +354,10 @@ class PrefixCache:
         state = None
         if self._states() and n_cached:
             n_cached, state = self._state_point(ids, n_cached)
+            if n_cached and in_forward and self._stepwise() and self.reuse == "auto" and \
+                    not self._rates_here().reuse_stepwise(n_cached, len(ids)):
+                self._last.declined = n_cached  # its tokens one at a time would take longer than all in one pass
+                return None, 0
         if n_cached == 0:
             return None, 0
         cache = make_cache(buffers, n_cached, self.model.config)
@@ -740,6 +751,8 @@ class PrefixCache:
         """
         if not self._states():
             return self._forward(ids, start, stop, cache)
+        if self._stepwise():
+            return self._run_stepwise(ids, start, stop, cache, last_apart)
         every = self._state_every()
         seconds, logits = 0.0, None
         # Where the prompt parts from the stored ones too: a hit that resumed before it (the last
@@ -756,6 +769,34 @@ class PrefixCache:
                 # Priced at this run's mean rate so far: a one-token piece costs more per token.
                 self._store_blocks(ids, cache, end, start // self.block_tokens, seconds / max(end - first, 1))
             start = end
+        return cache, logits, seconds
+
+    def _run_stepwise(self, ids: np.ndarray, start: int, stop: int, cache: Any, last_apart: bool) -> tuple[Any, Any, float]:
+        """``_run`` for a model that continues a state one token at a time only (see probe_model).
+
+        From no state (a miss), the prompt runs in one forward: exact, but no state is stored
+        inside it (a later piece could not continue it in one forward either). Over a restored
+        state, one forward per token. States are stored where ``_run`` stores them: where the
+        prompt parts from the stored ones, and before its last token when ``last_apart``.
+        """
+        stops = {e for e in (self._parted, stop - 1 if last_apart else 0) if start < e < stop}
+        seconds, logits, first = 0.0, None, start
+        if cache is None and start == 0:
+            end = min(stops, default=stop)
+            cache, logits, seconds = self._forward(ids, 0, end, None)
+            if self.reuse == "auto":
+                self._rates_here().record(0, end, seconds)
+            if end < stop:
+                self._store_blocks(ids, cache, end, 0, seconds / end)
+            start = end
+        stepped = time.perf_counter()
+        for pos in range(start, stop):
+            cache, logits, took = self._forward(ids, pos, pos + 1, cache)
+            seconds += took
+            if pos + 1 in stops:
+                self._store_blocks(ids, cache, pos + 1, first // self.block_tokens, seconds / max(pos + 1 - first, 1))
+        if stop > start and self.reuse == "auto":
+            self._rates_here().record_steps(stop - start, time.perf_counter() - stepped)
         return cache, logits, seconds
 
     def _miss_cache(self, n_tokens: int) -> Any:

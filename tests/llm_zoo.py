@@ -227,7 +227,8 @@ def check_architecture(model: Any, store: Any) -> str:
 
     try:
         with _quiet():
-            pc = PrefixCache(model, None, store=store, block_tokens=BLOCK)
+            # Every stored prefix is served (the zoo's prompts are short): whether a hit pays is tests/test_decide.py's.
+            pc = PrefixCache(model, None, store=store, block_tokens=BLOCK, reuse="always")
     except UnsupportedModelError as exc:
         assert not store.ls(), "refused after storing entries"
         return f"refused: {exc}"

@@ -92,9 +92,9 @@ def test_the_measured_rates_decide(tiny, store, rho, shared, served):
 
 def test_rates_are_measured_kept_in_the_store_and_read_by_a_fresh_process(tiny, store, tmp_path):
     pc = PrefixCache(tiny, store=store, block_tokens=16)
-    stored, ids = prompts(300, 800, seed=4)
-    pc.prefill(stored)  # a full prefill of 301 tokens
-    pc.prefill(ids)  # 500 tokens over 300 served
+    stored, ids = prompts(600, 800, seed=4)
+    pc.prefill(stored)  # a full prefill of 601 tokens
+    pc.prefill(ids)  # 200 tokens over 600 served
     pc.prefill(stored[:5] + [1])  # too short to measure
     store.flush()
     rates = Rates(store, tiny, torch.float32, torch.device("cpu"))
@@ -117,9 +117,12 @@ def test_work_counts_weights_and_attention():
     work = Work(model)
     assert work.layers == 3 and work.width == 64
     assert work.params == sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
-    # A served prefix saves its positions, the cheapest: less than its share of the work.
-    assert work(0, 100) + work(100, 800) == pytest.approx(work(0, 800))
-    assert work(0, 100) / work(0, 800) < 100 / 800
+    # From no cache the causal half; over a served prefix every new position against every key.
+    attention = 4 * work.layers * work.width
+    assert work(0, 800) == pytest.approx(2 * work.params * 800 + attention * 799 * 800 / 2)
+    assert work(100, 800) == pytest.approx(2 * work.params * 700 + attention * 800 * 700)
+    # So a small served share costs more work than it saves.
+    assert work(100, 800) > work(0, 800) - work(0, 100)
     assert work(5, 5) == 0.0 and MIN_MEASURED_TOKENS > 0
 
 

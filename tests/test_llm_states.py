@@ -9,6 +9,8 @@ every layer's state and every attention layer's KV are stored.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -138,13 +140,77 @@ def test_a_stored_state_that_does_not_fit_is_a_miss_never_a_crash(models, store)
     assert pc.stats["last"]["served"] == 0
 
 
-def test_mamba_whose_mixer_does_not_continue_a_state_over_several_tokens_is_refused(store):
-    """Mamba's own mixer starts every multi-token forward from a zero state: pieces differ from one pass."""
+STEPWISE = ["mamba", "falcon_mamba"]  # mixers that start every multi-token forward from a zero state
+
+
+@pytest.mark.parametrize("name", STEPWISE)
+def test_a_mixer_that_continues_a_state_one_token_at_a_time_is_served_stepwise(name, store):
+    """Mamba's and Falcon-Mamba's own mixers do not continue a state over several tokens (pieces differ from
+    one pass), but do one token at a time: a hit runs its tokens one per forward from the restored state."""
+    model, why = build(name)
+    assert model is not None, why
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(5)
+    doc = rng.integers(1, vocab, 40).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
+    assert pc._stepwise() and pc._get_layout()[0] == 0
+    assert_same(pc.prefill(doc)[1], plain(model, doc), ATOL, f"{name}: the document (one pass)")
+    for q in range(3):
+        ids = doc + rng.integers(1, vocab, 4 + q).tolist()
+        assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, f"{name}: question {q}")
+        assert pc.stats["last"]["served"] == len(doc)  # the state where the document ended
+        assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, f"{name}: question {q} again")
+        assert pc.stats["last"]["served"] == len(ids) - 1
+    ids = doc + [3, 4, 5, 6, 7]
+    out = pc.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert pc.stats["last"]["served"] == len(doc)
+    assert_same(out[0].tolist(), greedy(model, ids, 8), 0, f"{name}: greedy tokens")
+
+
+def test_a_stepwise_model_is_recomputed_where_its_steps_would_take_longer(store):
+    """reuse="auto": the measured cost of one-token forwards against one pass decides (planted rates)."""
+    from promptstore.llm._decide import RATES_KIND, Rates
+
     model, why = build("mamba")
     assert model is not None, why
-    with pytest.raises(UnsupportedModelError, match="in pieces"):
-        PrefixCache(model, None, store=store)
-    assert not store.ls("llm.kv") and not store.ls("llm.state")
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(6)
+    doc = rng.integers(1, vocab, 40).tolist()
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    pc.prefill(doc)
+    rates = Rates(store, model, pc._get_layout()[4], model.device)
+    one = rates.work(0, 1)
+    for step_tokens, served in ((30.0, 0), (0.5, 40)):  # a step costs 30 / half a token of one pass
+        store.put(rates.key, {"full": np.full(3, 1e-3 / one), "step": np.full(3, step_tokens * 1e-3)}, kind=RATES_KIND)
+        ids = doc + rng.integers(1, vocab, 6).tolist()
+        pc._rates = None  # read the planted rates
+        assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, f"a step costing {step_tokens} tokens")
+        assert pc.stats["last"]["served"] == served and pc.stats["last"]["declined"] == 40 - served
+
+
+def test_a_stepwise_model_is_served_in_a_fresh_process(tmp_path):
+    code = """
+    import sys, json
+    sys.path.insert(0, sys.argv[2])
+    import numpy as np
+    from promptstore import PromptStore
+    from promptstore.llm import PrefixCache
+    from llm_zoo import build, vocab_of, plain_scores
+    model, _ = build("falcon_mamba")
+    doc = np.random.default_rng(7).integers(1, vocab_of(model), 40).tolist()
+    ids = doc + [int(x) for x in sys.argv[3].split(",")] if sys.argv[3] else doc
+    pc = PrefixCache(model, None, store=PromptStore(sys.argv[1]), block_tokens=8, reuse="always")
+    got = pc.prefill(ids)[1]
+    print(json.dumps({"served": pc.stats["last"]["served"], "diff": (got - plain_scores(model, ids)).abs().max().item()}))
+    """
+    from pathlib import Path
+
+    from conftest import run_python
+
+    here = str(Path(__file__).parent)
+    runs = [json.loads(run_python(code, str(tmp_path / "s"), here, q).stdout.splitlines()[-1]) for q in ("", "5,6,7")]
+    assert runs[0]["served"] == 0 and runs[1]["served"] == 40
+    assert max(r["diff"] for r in runs) <= ATOL
 
 
 def test_a_model_of_running_states_only_is_served_from_its_states(store):

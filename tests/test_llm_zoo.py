@@ -30,10 +30,10 @@ from llm_zoo import all_types, build, check_architecture, prompts, vocab_of
 # with full ones (Gemma 2), with attention sinks (gpt-oss), chunked (Llama 4); Moshi masks as if it
 # had no window, so pieces over its cache differ from one pass. Linear-attention/SSM hybrids (Qwen3-Next's
 # Gated DeltaNet, Jamba's Mamba, Nemotron-H with cache-less MLP layers) store running states;
-# pure Mamba keeps no KV at all (refused).
+# pure Mamba keeps no KV at all, and continues a state one token at a time only (served stepwise).
 FAST = {
     "llama": "served", "gpt2": "served", "gemma": "served", "qwen2": "served", "phi3": "served", "bloom": "served",
-    "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "refused", "mamba2": "served", "rwkv": "refused",
+    "mpt": "served", "falcon": "served", "roberta": "refused", "mamba": "served", "falcon_mamba": "served", "mamba2": "served", "rwkv": "refused",
     "mistral": "served", "gemma2": "served", "gpt_oss": "served", "llama4_text": "served", "moshi": "refused",
     "qwen3_next": "served", "jamba": "served", "nemotron_h": "served", "falcon_h1": "served", "deepseek_v3": "served",
 }
@@ -102,7 +102,7 @@ def _check_fresh_process(folder, served, expect_served):
             with PromptStore({str(folder)!r} + "/" + model_type) as store:
                 model, _ = build(model_type)
                 ids = prompts(vocab_of(model))[1] + [5, 6, 7]
-                pc = PrefixCache(model, None, store=store, block_tokens=8)
+                pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
                 _, logits = pc.prefill(ids)
                 with torch.no_grad():
                     full = model(torch.as_tensor([ids])).logits[0, -1]
