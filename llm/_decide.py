@@ -52,13 +52,19 @@ class Work:
     def __init__(self, model: Any) -> None:
         config = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(getattr(text, "num_attention_heads", 0) or 0)
-        hidden = int(getattr(text, "hidden_size", 0) or 0)
-        head_dim = int(getattr(text, "head_dim", 0) or 0) or (hidden // heads if heads else 0)
-        self.layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        heads = _size(getattr(text, "num_attention_heads", 0))
+        hidden = _size(getattr(text, "hidden_size", 0))
+        head_dim = _size(getattr(text, "head_dim", 0)) or (hidden // heads if heads else 0)
+        self.layers = _size(getattr(text, "num_hidden_layers", 0))
         self.width = heads * head_dim
-        embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-                      for p in m.parameters()}
+        embeddings: set[int] = set()
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                module = getattr(model, getter)()
+            except (AttributeError, NotImplementedError):
+                module = None
+            if module is not None:
+                embeddings.update(id(p) for p in module.parameters())
         self.params = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
 
     def __call__(self, a: int, b: int) -> float:
@@ -73,6 +79,13 @@ class Work:
         n = b - a
         attended = (b - 1) * b / 2 if a == 0 else float(b) * n
         return 2.0 * self.params * n + 4.0 * self.layers * self.width * attended
+
+
+def _size(value: Any) -> int:
+    """A config size as one int: the largest of a per-layer list (OpenELM's heads), 0 where it is not a size."""
+    if isinstance(value, (list, tuple)):
+        value = max((v for v in value if isinstance(v, int)), default=0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class Rates:

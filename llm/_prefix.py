@@ -313,9 +313,15 @@ class PrefixCache:
 
         Raises:
             InvalidInputError: empty ids, ids outside the vocabulary, a batch of several.
+            UnsupportedModelError: a model served one token per forward (Mamba): only ``prefill``
+                and ``generate`` continue its state correctly.
         """
         ids = self._ids(input_ids)
         self._new_request()
+        if self._stepwise():
+            raise UnsupportedModelError(f"{type(self.model).__name__} continues a restored state one token per forward "
+                                        "only (a longer forward starts its scan from zero), so a cache from lookup "
+                                        "would be continued wrong: use prefill or generate, which step it")
         return self._lookup(ids)
 
     def _lookup(self, ids: np.ndarray, in_forward: bool = False) -> tuple[Any, int]:
@@ -779,9 +785,12 @@ class PrefixCache:
         state, one forward per token. States are stored where ``_run`` stores them: where the
         prompt parts from the stored ones, and before its last token when ``last_apart``.
         """
-        stops = {e for e in (self._parted, stop - 1 if last_apart else 0) if start < e < stop}
+        fresh = cache is None and start == 0
+        # From no state, nothing but the state before the last token: ending the one pass where the prompt
+        # parts from a stored one would leave the rest to run one token at a time.
+        stops = {e for e in (0 if fresh else self._parted, stop - 1 if last_apart else 0) if start < e < stop}
         seconds, logits, first = 0.0, None, start
-        if cache is None and start == 0:
+        if fresh:
             end = min(stops, default=stop)
             cache, logits, seconds = self._forward(ids, 0, end, None)
             if self.reuse == "auto":
@@ -789,14 +798,15 @@ class PrefixCache:
             if end < stop:
                 self._store_blocks(ids, cache, end, 0, seconds / end)
             start = end
-        stepped = time.perf_counter()
+        stepping = 0.0  # the steps' forwards only, not the storing between them
         for pos in range(start, stop):
             cache, logits, took = self._forward(ids, pos, pos + 1, cache)
             seconds += took
+            stepping += took
             if pos + 1 in stops:
                 self._store_blocks(ids, cache, pos + 1, first // self.block_tokens, seconds / max(pos + 1 - first, 1))
         if stop > start and self.reuse == "auto":
-            self._rates_here().record_steps(stop - start, time.perf_counter() - stepped)
+            self._rates_here().record_steps(stop - start, stepping)
         return cache, logits, seconds
 
     def _miss_cache(self, n_tokens: int) -> Any:

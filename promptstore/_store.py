@@ -203,18 +203,25 @@ class PromptStore:
         """
         prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, meta=meta, parent=parent, ttl_s=ttl_s,
                            namespace=self.namespace)
-        if background and self._writer.submit(prepared["key"], lambda: self._write_queued(prepared)):
+        nbytes = sum(arr.nbytes for _, _, arr in prepared["tensors"])
+        if background and self._writer.submit(prepared["key"], lambda: self._write_queued(prepared), nbytes):
             return True
         if self._writer:
-            self._writer.wait(prepared["key"])  # a queued value of this key must not land after this one
+            # A queued value of this key must not land after this one, nor its parent after it.
+            self._writer.wait(prepared["key"])
+            if prepared["parent"] is not None:
+                self._writer.wait(prepared["parent"])
         return self._put_entry(build(prepared))
 
     def _write_queued(self, prepared: dict[str, Any]) -> None:
         try:
             self._put_entry(build(prepared))
         except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller, nor the writer
-            warnings.warn(f"a background put failed ({type(exc).__name__}: {exc}); the entry is a miss",
-                          PromptStoreWarning, stacklevel=1)
+            try:
+                warnings.warn(f"a background put failed ({type(exc).__name__}: {exc}); the entry is a miss",
+                              PromptStoreWarning, stacklevel=1)
+            except Exception:  # noqa: BLE001 - warnings turned into errors must not reach a later read
+                pass
 
     def flush(self) -> None:
         """Wait until every put made with ``background=True`` so far is written."""

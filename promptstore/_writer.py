@@ -5,12 +5,14 @@ written after its parent, as a synchronous put would be. A read of a key whose w
 queued waits for that write, so a process always finds what it stored. The thread is a
 normal (non-daemon) one: at a normal interpreter exit every queued write completes before the
 store's files close. A killed process loses the writes still queued; each tier's writes are
-atomic, so what it leaves is a miss, never a partial entry.
+atomic, so what it leaves is a miss, never a partial entry. At most ``MAX_QUEUED_BYTES`` wait in
+the queue: past that a put waits for it to drain.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,22 +20,42 @@ from concurrent.futures import Future, ThreadPoolExecutor
 __all__ = ["Writer"]
 
 
+# Queued bytes past which a put waits for the queue to drain first: a writer slower than the requests
+# (a slow disk, a busy Redis) holds requests back, as synchronous puts did, instead of growing memory.
+MAX_QUEUED_BYTES = 1 << 30
+
+
 class Writer:
     """Runs write jobs on one background thread, in order, keyed so that a read can wait for one."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[bytes, Future[None]] = {}
+        self._queued_bytes = 0
+
+    def _forked(self) -> None:
+        # A forked child inherits the parent's executor without its thread: its queue would never run.
+        # The child starts a writer of its own; what the parent queued is the parent's to write.
+        if os.getpid() != self._pid:
+            self._reset()
 
     def __bool__(self) -> bool:
+        self._forked()
         return bool(self._pending)
 
-    def submit(self, key: bytes, job: Callable[[], None]) -> bool:
+    def submit(self, key: bytes, job: Callable[[], None], nbytes: int = 0) -> bool:
         """Queue ``job`` (which must not raise) as the write of ``key``; False if it cannot be queued.
 
         It cannot at interpreter shutdown: the caller then writes synchronously.
         """
+        self._forked()
+        if self._queued_bytes + nbytes > MAX_QUEUED_BYTES and self._pending:
+            self.flush()
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-writer")
@@ -42,22 +64,26 @@ class Writer:
             except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
                 return False
             self._pending[key] = future
-        future.add_done_callback(functools.partial(self._done, key))
+            self._queued_bytes += nbytes
+        future.add_done_callback(functools.partial(self._done, key, nbytes))
         return True
 
-    def _done(self, key: bytes, future: Future[None]) -> None:
+    def _done(self, key: bytes, nbytes: int, future: Future[None]) -> None:
         with self._lock:
+            self._queued_bytes -= nbytes
             if self._pending.get(key) is future:
                 del self._pending[key]
 
     def wait(self, key: bytes) -> None:
         """Return once the queued write of ``key`` (and so every write queued before it) has run."""
+        self._forked()
         future = self._pending.get(key)
         if future is not None:
             future.result()
 
     def flush(self) -> None:
         """Return once every write queued so far has run."""
+        self._forked()
         with self._lock:
             futures = list(self._pending.values())
         for future in futures:

@@ -19,6 +19,7 @@ from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
+from counting import Counting
 from llm_zoo import build, vocab_of
 from llm_zoo import greedy_tokens as greedy
 from llm_zoo import plain_scores as plain
@@ -486,3 +487,31 @@ def test_state_lookups_are_counted_under_their_kind(models, store):
     assert pc.stats["last"]["served"] == 40 and counts() == (hits + 1, misses)
     pc.prefill(doc[:37] + rng.integers(0, vocab_of(model), 5).tolist())  # KV for 37 tokens, no state there or before
     assert pc.stats["last"]["served"] == 0 and counts()[0] == hits + 1 and counts()[1] >= misses + 6  # 37 down to 31
+
+
+def test_a_stepwise_miss_runs_in_one_pass_even_where_it_parts_from_a_stored_prompt(store):
+    """A prompt sharing blocks with a stored one but no state there is a miss: one pass to its last token (and
+    that token), never one token per forward from where it parts."""
+    model, why = build("mamba")
+    assert model is not None, why
+    vocab = vocab_of(model)
+    rng = np.random.default_rng(8)
+    a = rng.integers(1, vocab, 40).tolist()
+    counted = Counting(model.get_input_embeddings())  # attached before the cache sees the model
+    pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
+    pc.prefill(a)
+    b = a[:20] + rng.integers(1, vocab, 30).tolist()  # shares 2 full blocks of KV-less chain, no state at 16-20
+    counted.reset()
+    got = pc.prefill(b)[1]
+    assert pc.stats["last"]["served"] == 0
+    # One pass to the last token, then that token (storing the state before it on the way).
+    assert len(counted.batches) == 2 and counted.tokens == len(b)
+    assert_same(got, plain(model, b), ATOL, "a stepwise miss that parts from a stored prompt")
+
+
+def test_lookup_refuses_a_stepwise_model_whose_cache_a_caller_would_continue_wrong(store):
+    model, why = build("falcon_mamba")
+    assert model is not None, why
+    pc = PrefixCache(model, None, store=store, block_tokens=8)
+    with pytest.raises(UnsupportedModelError, match="one token per forward"):
+        pc.lookup([1, 2, 3, 4, 5])

@@ -112,3 +112,29 @@ def test_a_process_killed_with_puts_queued_leaves_whole_entries_or_none(tmp_path
             if got is not None:  # written before the kill: whole
                 assert np.array_equal(got.tensors["x"],
                                       np.random.default_rng(i).standard_normal(250_000).astype(np.float32))
+
+
+def test_a_forked_child_writes_with_a_writer_of_its_own(tmp_path):
+    """A child forked after the parent's writer started inherits its executor without its thread; it must start
+    its own, or its background puts would never be written and its reads of them would wait forever."""
+    import multiprocessing
+    import os
+
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        store.put(store.key("t", "parent"), {"x": np.zeros(3, np.float32)}, kind="t", background=True)
+        store.flush()
+
+        def child() -> None:
+            key = store.key("t", "child")
+            store.put(key, {"x": np.ones(3, np.float32)}, kind="t", background=True)
+            ok = store.get(key) is not None
+            store.flush()
+            os._exit(0 if ok else 3)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(60)
+        if proc.exitcode is None:
+            proc.kill()
+        assert proc.exitcode == 0
+        assert np.array_equal(store.get(store.key("t", "child")).tensors["x"], np.ones(3, np.float32))
