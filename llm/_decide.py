@@ -11,7 +11,7 @@ served prefix every new position is computed against all ``b`` keys. A stored pr
     ρ · work(served, total) < work(0, total)
 
 where ``ρ`` is the measured seconds per unit of work of forwards over a served prefix divided
-by that of full prefills (what the count above leaves out: the check's positions, kernels' speeds), on this architecture, dtype, device and thread count. Forwards of at
+by that of full prefills (what the count above leaves out: the check's positions, kernels' speeds), on this architecture, dtype, device and CPU. Forwards of at
 least ``MIN_MEASURED_TOKENS`` tokens are measured (shorter ones are dominated by fixed costs, and
 they are the ones that serve large shares, where the answer never depends on ``ρ``). Until both
 kinds are measured, ``ρ`` is ``DEFAULT_RHO``. Measurements are kept in the store (kind
@@ -94,12 +94,12 @@ class Rates:
     _lock = threading.Lock()
 
     def __init__(self, store: PromptStore, model: Any, dtype: Any, device: Any) -> None:
-        import torch
-
         self.store = store
         self.work = Work(model)
+        # Not the thread count: a library may change it inside a process (so a fresh one would find nothing),
+        # and ρ and a step's cost are ratios of two rates measured under the same threads.
         setting = "|".join([type(model).__name__, str(dtype), str(getattr(device, "type", device)),
-                            str(torch.get_num_threads()), platform.machine(), platform.processor()])
+                            platform.machine(), platform.processor()])
         self.key = store.key(RATES_KIND, setting)
         self.samples: dict[str, list[float]] = {"full": [], "tail": [], "step": []}
         entry = store.get(self.key, kind=RATES_KIND)

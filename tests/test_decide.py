@@ -91,13 +91,19 @@ def test_the_measured_rates_decide(tiny, store, rho, shared, served):
 
 
 def test_rates_are_measured_kept_in_the_store_and_read_by_a_fresh_process(tiny, store, tmp_path):
+    """Also when this process runs another number of threads than a fresh one (libraries set it)."""
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     stored, ids = prompts(600, 800, seed=4)
-    pc.prefill(stored)  # a full prefill of 601 tokens
-    pc.prefill(ids)  # 200 tokens over 600 served
-    pc.prefill(stored[:5] + [1])  # too short to measure
-    store.flush()
-    rates = Rates(store, tiny, torch.float32, torch.device("cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        pc.prefill(stored)  # a full prefill of 601 tokens
+        pc.prefill(ids)  # 200 tokens over 600 served
+        pc.prefill(stored[:5] + [1])  # too short to measure
+        store.flush()
+        rates = Rates(store, tiny, torch.float32, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
     assert len(rates.samples["full"]) == 1 and len(rates.samples["tail"]) == 1
     assert rates.rho() != DEFAULT_RHO and rates.rho() > 0  # measured (its value is the machine's, not asserted)
     code = """
