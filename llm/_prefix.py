@@ -231,6 +231,7 @@ class PrefixCache:
                      self._structure[0], ambient_fingerprint(), cache_code_fingerprint())
         if self._layout is None or self._layout[0] != signature:
             self._layout = (signature, checked_layout(self.model, self.store, signature, self._output_cache))
+            self._rates = None  # another dtype, device or structure: its own measured rates
             works = works_on(self.model, self.store, signature, self._layout[1][0], self._cache_arg)
             self._checkable = not self._layout[1][1] and works.alone
             self._in_forward = self._checkable and works.in_forward
