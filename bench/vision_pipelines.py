@@ -1,9 +1,13 @@
-"""transformers' zero-shot vision pipelines, plain and with their text tower from the store (promptstore.vision.pipeline).
+"""Vision text prompts where users call them, plain and from the store: transformers' zero-shot pipelines
+(promptstore.vision.pipeline), OmDet-Turbo (serve_omdet) and SAM 3's set_classes (serve_sam3).
 
     python bench/vision_pipelines.py [--repeats 3] [--out bench/results/vision_pipelines_<date>.json]
 
-Random weights at the default (base) sizes, with the CLIP BPE tokenizer built offline: the shapes
-and the cost are real. Per model, fresh processes (the model built and the pipeline made before the
+Random weights at the released checkpoints' sizes, with the CLIP BPE tokenizer (and for Grounding
+DINO a small BERT vocabulary) built offline: the shapes and the cost are real. Grounding DINO:
+Swin-T and BERT-base; OmDet-Turbo: Swin-T and CLIP's text tower, the call ``model(**processor(...))``
+with a task prompt; SAM 3: ultralytics' builder (the 354M-parameter text encoder), the call
+``set_classes``, compared by its text embeddings. Per model, fresh processes (the model built and the pipeline made before the
 clock starts): the plain pipeline, and the served one over a store another process warmed with the
 same labels. Each times its first call (the headline) and ``--repeats`` more (steady state), on one
 image. Writes medians; the served outputs are compared with the plain ones (labels, scores).
@@ -30,6 +34,9 @@ CASES = {
     "CLIP ViT-B/32, 10 labels": ("zero-shot-image-classification", "clip", 10),
     "SigLIP base, 10 labels": ("zero-shot-image-classification", "siglip", 10),
     "OWLv2 base, 3 labels": ("zero-shot-object-detection", "owlv2", 3),
+    "Grounding DINO tiny, 3 labels": ("zero-shot-object-detection", "grounding_dino", 3),
+    "OmDet-Turbo tiny, 10 classes + task": ("omdet", "omdet", 10),
+    "SAM 3 set_classes, 10 prompts": ("sam3", "sam3", 10),
 }
 LABELS = ["a forklift", "a pallet", "a person in a hard hat", "a cardboard box", "a ladder", "a truck", "a fire extinguisher",
           "a safety cone", "a shelf", "a conveyor belt"]
@@ -43,6 +50,43 @@ def build(family: str, folder: str):
     from test_owl import clip_tokenizer_in
 
     torch.manual_seed(0)
+    if family == "grounding_dino":
+        from transformers import BertTokenizer, GroundingDinoConfig, GroundingDinoForObjectDetection
+        from transformers import GroundingDinoImageProcessor
+
+        vocab = Path(folder) / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "a", "an", "in", *(
+            w for label in LABELS for w in label.split() if w not in ("a", "in"))]) + "\n")
+        return (GroundingDinoForObjectDetection(GroundingDinoConfig()).eval(), BertTokenizer(str(vocab)),
+                GroundingDinoImageProcessor())
+    if family == "omdet":
+        from transformers import CLIPTextConfig, DetrImageProcessor, OmDetTurboConfig, OmDetTurboForObjectDetection
+        from transformers import OmDetTurboProcessor, SwinConfig
+
+        tokenizer = clip_tokenizer_in(folder)
+        tokenizer.model_max_length = 77
+        config = OmDetTurboConfig(use_timm_backbone=False, backbone=None, text_config=CLIPTextConfig(),
+                                  backbone_config=SwinConfig(embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+                                                             out_indices=[2, 3, 4]))
+        processor = OmDetTurboProcessor(image_processor=DetrImageProcessor(size={"height": 640, "width": 640}),
+                                        tokenizer=tokenizer)
+        return OmDetTurboForObjectDetection(config).eval(), tokenizer, processor
+    if family == "sam3":
+        import types
+
+        from open_clip.tokenizer import SimpleTokenizer
+
+        clip = types.ModuleType("clip")  # what ultralytics' SAM 3 tokenizer imports
+        clip.simple_tokenizer = types.SimpleNamespace(SimpleTokenizer=SimpleTokenizer)
+        sys.modules.setdefault("clip", clip)
+        from ultralytics.models.sam.build_sam3 import build_sam3_image_model
+
+        empty = Path(folder) / "random.pt"
+        torch.save({"model": {}}, empty)
+        model = build_sam3_image_model(str(empty))
+        with torch.no_grad():  # created empty (the checkpoint fills it)
+            torch.nn.init.normal_(model.backbone.language_backbone.encoder.positional_embedding, std=0.01)
+        return model.eval(), None, None
     tokenizer = clip_tokenizer_in(folder)
     if family == "clip":
         tokenizer.model_max_length = 77
@@ -68,14 +112,39 @@ def child(args: argparse.Namespace) -> None:
     task, family, n = CASES[args.case]
     model, tokenizer, images = build(family, tempfile.mkdtemp())
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8))
-    kwargs = dict(model=model, tokenizer=tokenizer, image_processor=images)
-    call = dict(candidate_labels=LABELS[:n], **({"threshold": 0.0, "top_k": 10} if "detection" in task else {}))
     with PromptStore(args.store) as store:
-        pipe = pipeline(task, store=store, **kwargs) if args.mode == "served" else transformers_pipeline(task, **kwargs)
+        served = args.mode == "served"
+        if task == "omdet":
+            from promptstore.vision import serve_omdet
+
+            detector = serve_omdet(model, store) if served else model
+            batch = images(images=[picture], text=[LABELS[:n]], task=["Detect {}.".format(", ".join(LABELS[:n]))],
+                           return_tensors="pt")
+
+            def pipe(_):
+                with torch.no_grad():
+                    out = detector(**batch)
+                return {"logits": out.decoder_class_logits.flatten()[:50].tolist(),
+                        "boxes": out.decoder_coord_logits.flatten()[:50].tolist()}
+        elif task == "sam3":
+            from promptstore.vision import serve_sam3
+
+            sam = serve_sam3(model, store) if served else model
+
+            def pipe(_):
+                sam.set_classes(LABELS[:n])
+                return {k: v.float().flatten()[:50].tolist() for k, v in sorted(sam.text_embeddings.items())}
+        else:
+            kwargs = dict(model=model, tokenizer=tokenizer, image_processor=images)
+            call = dict(candidate_labels=LABELS[:n], **({"threshold": 0.0, "top_k": 10} if "detection" in task else {}))
+            made = pipeline(task, store=store, **kwargs) if served else transformers_pipeline(task, **kwargs)
+
+            def pipe(image):
+                return made(image, **call)
         times, outputs = [], []
         for _ in range(1 + args.repeats):
             t0 = time.perf_counter()
-            outputs.append(pipe(picture, **call))
+            outputs.append(pipe(picture))
             times.append(time.perf_counter() - t0)
     print(json.dumps({"first": times[0], "steady": times[1:], "output": outputs[0]}))
 
@@ -89,7 +158,9 @@ def run(args: argparse.Namespace, case: str, mode: str, store: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def close(a: list[dict], b: list[dict]) -> bool:
+def close(a: list[dict] | dict, b: list[dict] | dict) -> bool:
+    if isinstance(a, dict):  # raw outputs: lists of floats per name
+        return a.keys() == b.keys() and all(abs(x - y) <= 1e-5 for k in a for x, y in zip(a[k], b[k], strict=True))
     return [x["label"] for x in a] == [x["label"] for x in b] and all(
         abs(x["score"] - y["score"]) <= 1e-5 and x.get("box") == y.get("box") for x, y in zip(a, b, strict=True))
 
@@ -98,6 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="which rows (default: all)")
     parser.add_argument("--out", default=str(BENCH / "results" / f"vision_pipelines_{time.strftime('%Y-%m-%d')}.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -108,7 +180,7 @@ def main() -> None:
         child(args)
         return
     rows = []
-    for case in CASES:
+    for case in args.cases:
         folder = Path(tempfile.mkdtemp(prefix="vision-pipelines-"))
         try:
             run(args, case, "served", folder / "store")  # warms the store (its own first call encodes)

@@ -164,3 +164,17 @@ def test_serving_again_from_another_store_reads_only_that_store(processor, store
 def test_other_models_are_refused(store):
     with pytest.raises(InvalidInputError):
         serve_omdet(torch.nn.Linear(2, 2), store)
+
+
+def test_tenants_never_read_each_others_classes(processor, tmp_path):
+    batch = inputs(processor)
+    want, _ = detect(build(), batch)
+    with PromptStore(tmp_path / "s", namespace="tenant-a", memory_bytes=0) as a, \
+            PromptStore(tmp_path / "s", namespace="tenant-b", memory_bytes=0) as b:
+        detect(serve_omdet(build(), a), batch)
+        got, rows = detect(serve_omdet(build(), b), batch)  # a fresh model: nothing in transformers' own caches
+        assert rows == len(CLASSES) + 1
+        same(got, want)
+        assert {e.key for e in a.ls()}.isdisjoint({e.key for e in b.ls()})
+        _, rows = detect(serve_omdet(build(), a), batch)
+        assert rows == 0

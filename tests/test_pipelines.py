@@ -10,6 +10,7 @@ per label.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -275,3 +276,60 @@ def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the
         edited = served(pics[0], **call)
     assert runs.rows == len(LABELS)
     same_scores(edited, plain(pics[0], **call), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "grounding_dino"])
+def test_a_fresh_process_with_another_hash_seed_is_served_every_label_and_equals_the_plain_pipeline(family, tmp_path):
+    """Two real processes (another ``PYTHONHASHSEED`` each) on one folder: the second runs no text and
+    answers what transformers' own pipeline answers in that process."""
+    from conftest import run_python
+
+    (tmp_path / "tok").mkdir()
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_pipelines import *
+        from test_pipelines import transformers_pipeline
+        from counting import Counting
+        if {family!r} == "grounding_dino":
+            model, tokenizer, images = grounding()
+            tower, task, call = model.model.text_backbone.embeddings, DETECT, dict(threshold=0.0, top_k=20)
+        else:
+            model, images = classifier({family!r})
+            tokenizer = clip_tokenizer_in({str(tmp_path / "tok")!r})
+            tokenizer.model_max_length = 64
+            tower, task, call = model.text_model.embeddings, CLASSIFY, {{}}
+        args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+        Counting(tower)
+        with PromptStore({str(tmp_path / "s")!r}) as store, Counting(tower) as runs:
+            got = pipeline(task, store=store, **args)(pictures(1)[0], candidate_labels=LABELS, **call)
+            rows = runs.rows
+        want = transformers_pipeline(task, **args)(pictures(1)[0], candidate_labels=LABELS, **call)
+        print("RESULT", json.dumps({{"rows": rows, "got": got, "want": want}}))
+    """
+    runs = [json.loads(run_python(code, env={"PYTHONHASHSEED": seed}).stdout.split("RESULT")[-1])
+            for seed in ("1", "2")]
+    assert [r["rows"] for r in runs] == [len(LABELS), 0]
+    for r in runs:
+        same_scores(r["got"], r["want"], atol=1e-5)
+
+
+@pytest.mark.parametrize("task", [CLASSIFY, DETECT])
+def test_tenants_never_read_each_others_labels(task, tokenizers, tmp_path):
+    if task == CLASSIFY:
+        model, images = classifier("clip")
+        tower, args = model.text_model.embeddings, dict(tokenizer=tokenizers["classify"], image_processor=images)
+    else:
+        model, images = detector("owlv2")
+        tower, args = model.owlv2.text_model.embeddings, dict(tokenizer=tokenizers["detect"], image_processor=images)
+    Counting(tower)
+    picture = pictures(1)[0]
+    with PromptStore(tmp_path / "s", namespace="tenant-a") as a, PromptStore(tmp_path / "s", namespace="tenant-b") as b:
+        pipeline(task, model=model, store=a, **args)(picture, candidate_labels=LABELS)
+        with Counting(tower) as runs:
+            pipeline(task, model=model, store=b, **args)(picture, candidate_labels=LABELS)
+        assert runs.rows == len(LABELS)  # b computes its own
+        assert {e.key for e in a.ls()}.isdisjoint({e.key for e in b.ls()})
+        with Counting(tower) as runs:
+            pipeline(task, model=model, store=a, **args)(picture, candidate_labels=LABELS)
+        assert runs.rows == 0

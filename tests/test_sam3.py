@@ -155,3 +155,20 @@ def test_bad_input_is_refused_before_any_work(sam3, served, store):
     with pytest.raises(InvalidInputError):
         serve_sam3(torch.nn.Linear(2, 2), store)
     assert store.ls() == []
+
+
+def test_tenants_never_read_each_others_prompts(sam3, tmp_path):
+    model, _ = sam3
+    want = stock(sam3, PROMPTS)
+    try:
+        with PromptStore(tmp_path / "s", namespace="tenant-a", memory_bytes=0) as a, \
+                PromptStore(tmp_path / "s", namespace="tenant-b", memory_bytes=0) as b:
+            serve_sam3(model, a).set_classes(PROMPTS)
+            *got, rows = encoded(serve_sam3(model, b), PROMPTS)
+            assert rows == len(PROMPTS)
+            same(got, want)
+            assert {e.key for e in a.ls()}.isdisjoint({e.key for e in b.ls()})
+            *_, rows = encoded(serve_sam3(model, a), PROMPTS)
+            assert rows == 0
+    finally:
+        del model.set_classes
