@@ -33,7 +33,7 @@ from ._modules import active_dropout, walk_tree
 from ._tokenizers import TOKENIZER_FILES, TOKENIZER_IGNORED, record_tokenizer, tokenizer_files
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active",
+__all__ = ["reset_memos", "Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active",
            "load_tokenizer"]
 
 
@@ -240,3 +240,21 @@ def refuse_random(module: Any, skip: str | tuple[str, ...] = "", what: str = "")
         UnsupportedModelError: naming the first such module; call ``model.eval()``.
     """
     module_structure(module, skip=skip, what=what)
+
+
+def reset_memos(digests: bool = True) -> None:
+    """Forget everything this process remembers about identities: module structures, tokenizers, classes,
+    tokenizer backends, code, and (``digests``) file digests, whose memo is then opened again where
+    ``$PROMPTSTORE_DIGESTS`` names. For test sessions and benchmarks that must start as a fresh process."""
+    from promptstore import _digest
+
+    from . import _tokenizers, _walk
+
+    if digests:
+        _digest._memo = _digest._Memo()
+    for memo in (_MEMO, _TOKENIZERS):
+        memo._d.clear()
+    _CLASSES.clear()
+    with _tokenizers._MEMO_LOCK:
+        _tokenizers._MEMO.clear()
+    _walk.CODE_MEMO._known.clear()

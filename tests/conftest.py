@@ -33,16 +33,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """
     if os.environ.get("MUTANT_UNDER_TEST", "") in ("", "stats", "mutant_generation"):
         return
-    from promptstore import _digest
-    from promptstore._live import _CLASSES, _MEMO, _TOKENIZERS, _tokenizers, _walk
+    from promptstore._live import reset_memos
 
     os.environ["PROMPTSTORE_DIGESTS"] = str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3")
-    _digest._memo = _digest._Memo()
-    for memo in (_MEMO, _TOKENIZERS):
-        memo._d.clear()
-    _CLASSES.clear()
-    _tokenizers._MEMO.clear()
-    _walk.CODE_MEMO._known.clear()
+    reset_memos()
 
 
 class FakeClock:
