@@ -33,7 +33,8 @@ import numpy as np
 
 from promptstore import PromptStore
 
-__all__ = ["DEFAULT_RHO", "DEFAULT_STEP_TOKENS", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates", "Work"]
+__all__ = ["DEFAULT_RESTORE_S_PER_BYTE", "DEFAULT_RHO", "DEFAULT_STEP_TOKENS", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates",
+           "RestoreRates", "Work"]
 
 RATES_KIND = "llm.rates"
 # Measured on this machine (SmolLM2, 2k tokens: bench/never_slower.py): a forward over stored KV runs
@@ -88,26 +89,41 @@ def _size(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-class Rates:
-    """Seconds per unit of work of full prefills and of forwards over a served prefix, for one setting."""
+class _Measured:
+    """Samples of a few kinds of rate for one setting, the last ``_KEEP`` of each, kept in the store."""
 
     _lock = threading.Lock()
 
-    def __init__(self, store: PromptStore, model: Any, dtype: Any, device: Any) -> None:
+    def __init__(self, store: PromptStore, setting: str, kinds: tuple[str, ...]) -> None:
         self.store = store
-        self.work = Work(model)
-        # Not the thread count: a library may change it inside a process (so a fresh one would find nothing),
-        # and ρ and a step's cost are ratios of two rates measured under the same threads.
-        setting = "|".join([type(model).__name__, str(dtype), str(getattr(device, "type", device)),
-                            platform.machine(), platform.processor()])
         self.key = store.key(RATES_KIND, setting)
-        self.samples: dict[str, list[float]] = {"full": [], "tail": [], "step": []}
+        self.samples: dict[str, list[float]] = {kind: [] for kind in kinds}
         entry = store.get(self.key, kind=RATES_KIND)
         if entry is not None:
             for kind in self.samples:
                 arr = entry.tensors.get(kind)
                 if arr is not None and arr.ndim == 1 and arr.dtype == np.float64:
                     self.samples[kind] = [float(x) for x in arr[-_KEEP:] if np.isfinite(x) and x > 0]
+
+    def _add(self, kind: str, value: float) -> None:
+        with self._lock:
+            samples = self.samples[kind]
+            samples.append(value)
+            del samples[:-_KEEP]
+            tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.samples.items() if v}
+        self.store.put(self.key, tensors, kind=RATES_KIND, background=True)
+
+
+class Rates(_Measured):
+    """Seconds per unit of work of full prefills and of forwards over a served prefix, for one setting."""
+
+    def __init__(self, store: PromptStore, model: Any, dtype: Any, device: Any) -> None:
+        # Not the thread count: a library may change it inside a process (so a fresh one would find nothing),
+        # and ρ and a step's cost are ratios of two rates measured under the same threads.
+        setting = "|".join([type(model).__name__, str(dtype), str(getattr(device, "type", device)),
+                            platform.machine(), platform.processor()])
+        super().__init__(store, setting, ("full", "tail", "step"))
+        self.work = Work(model)
 
     def rho(self) -> float:
         """Seconds per unit of work over a served prefix / over a full prefill (``DEFAULT_RHO`` until measured)."""
@@ -143,10 +159,35 @@ class Rates:
             return
         self._add("tail" if served else "full", seconds / self.work(served, total))
 
-    def _add(self, kind: str, value: float) -> None:
-        with self._lock:
-            samples = self.samples[kind]
-            samples.append(value)
-            del samples[:-_KEEP]
-            tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.samples.items() if v}
-        self.store.put(self.key, tensors, kind=RATES_KIND, background=True)
+
+# Reading a stored llama.cpp state and handing it to llama.cpp, until measured: about 1 GB/s.
+DEFAULT_RESTORE_S_PER_BYTE = 1e-9
+
+
+class RestoreRates(_Measured):
+    """For llama.cpp contexts (LlamaCppCache): seconds per prompt token of a prefill and per byte of restoring
+    a stored state, for one setting (the model file, the context settings, the CPU). A state is restored when
+    reading all of it is expected to cost less than evaluating the tokens it saves."""
+
+    def __init__(self, store: PromptStore, setting: str) -> None:
+        super().__init__(store, "llama.cpp|" + setting, ("prefill", "restore"))
+
+    def reuse(self, state_bytes: int, saved_tokens: int) -> bool:
+        """Whether restoring a state of ``state_bytes`` bytes is expected to beat evaluating ``saved_tokens``
+        tokens. Without a measured prefill rate it serves (what llama-cpp-python's own caches do)."""
+        if saved_tokens <= 0:
+            return False
+        if not self.samples["prefill"]:
+            return True
+        restore = statistics.median(self.samples["restore"]) if self.samples["restore"] else DEFAULT_RESTORE_S_PER_BYTE
+        return state_bytes * restore < saved_tokens * statistics.median(self.samples["prefill"])
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """llama.cpp evaluated ``tokens`` prompt tokens in ``seconds``."""
+        if tokens >= MIN_MEASURED_TOKENS // 2 and seconds > 0:
+            self._add("prefill", seconds / tokens)
+
+    def record_restore(self, nbytes: int, seconds: float) -> None:
+        """A state of ``nbytes`` bytes was read and restored in ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            self._add("restore", seconds / nbytes)

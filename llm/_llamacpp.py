@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +40,8 @@ import numpy as np
 
 from promptstore import PromptStore, chain_keys, file_digest
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
+
+from ._decide import RestoreRates
 
 try:
     import llama_cpp
@@ -100,19 +104,26 @@ class LlamaCppCache(BaseLlamaCache):
         store: where entries live (default: ``PromptStore()``, the disk folder).
         block_tokens: tokens per block of the index (a state is found from any prompt that
             shares at least one full block with it).
+        reuse: ``"auto"`` (default) restores a stored state only where reading all of it is
+            expected to cost less than evaluating the tokens it saves, from this setting's
+            measured prefill and restore rates (kept in the store: a fresh process starts with
+            them); a declined state is counted in ``stats["declined"]``. ``"always"`` restores
+            any state that serves more than the context holds.
 
     Raises:
-        InvalidInputError: ``llm`` is not a ``llama_cpp.Llama``, or a bad ``block_tokens``.
+        InvalidInputError: ``llm`` is not a ``llama_cpp.Llama``, or a bad ``block_tokens`` or ``reuse``.
         UnsupportedModelError: a recurrent or hybrid model (Mamba, RWKV, Jamba...), whose
             state cannot be trimmed to a shorter prefix, or an evaluation callback (``cb_eval``)
             that may change what the model computes.
     """
 
-    def __init__(self, llm: Any, store: PromptStore | None = None, block_tokens: int = 64) -> None:
+    def __init__(self, llm: Any, store: PromptStore | None = None, block_tokens: int = 64, reuse: str = "auto") -> None:
         if not isinstance(llm, llama_cpp.Llama):
             raise InvalidInputError(f"LlamaCppCache needs a llama_cpp.Llama, got {type(llm).__name__}")
         if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise InvalidInputError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if reuse not in ("auto", "always"):
+            raise InvalidInputError(f'reuse must be "auto" or "always", got {reuse!r}')
         if getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False):
             raise UnsupportedModelError(
                 "LlamaCppCache: a recurrent or hybrid model keeps a running state that llama.cpp cannot trim to a "
@@ -124,9 +135,16 @@ class LlamaCppCache(BaseLlamaCache):
         self.llm = llm
         self.store = store if store is not None else PromptStore()
         self.block_tokens = block_tokens
+        self.reuse = reuse
         self._model_file = _file_identity(llm.model_path)
         self._root = self.store.key(KIND, b"", fingerprints=self._fingerprints())
-        self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0}
+        # Rates are absolute (seconds per token, per byte): the threads are part of their setting.
+        params = llm.context_params
+        self.rates = RestoreRates(self.store, f"{self._root.hex()}|threads:{params.n_threads}/{params.n_threads_batch}"
+                                              f"|{platform.machine()}|{platform.processor()}")
+        perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # llama.cpp's prompt-eval counters when last read
+        self._perf = (int(perf.n_p_eval), float(perf.t_p_eval_ms), float(perf.t_load_ms))
+        self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0, "declined": 0}
 
     # -- identity -------------------------------------------------------------------------
     def _fingerprints(self) -> list[str]:
@@ -166,8 +184,9 @@ class LlamaCppCache(BaseLlamaCache):
         entry = self.store.get(key, kind=INDEX_KIND)
         return None if entry is None else entry.tensors["head"].tobytes()
 
-    def _find(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray, int] | None:
-        """The stored state sharing the most tokens with ``tokens``: (head key, its tokens, shared)."""
+    def _find(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray, int, int | None] | None:
+        """The stored state sharing the most tokens with ``tokens``: (head key, its tokens, shared, the
+        state's bytes where its head names them)."""
         keys = chain_keys(self._root, tokens, self.block_tokens)
         # Every block of a stored state has a pointer, so the blocks with one form a prefix of the
         # prompt's: a binary search finds its end in log2(blocks) lookups, not one per block.
@@ -192,7 +211,8 @@ class LlamaCppCache(BaseLlamaCache):
             parted = np.flatnonzero(stored[:n] != tokens[:n])
             shared = int(parted[0]) if parted.size else n
             if shared:
-                return head_key, stored, shared
+                nbytes = head.tensors.get("state_bytes")
+                return head_key, stored, shared, None if nbytes is None else int(nbytes.reshape(-1)[0])
         return None
 
     def __contains__(self, key: Sequence[int]) -> bool:
@@ -235,13 +255,20 @@ class LlamaCppCache(BaseLlamaCache):
         found = self._find(tokens)
         if found is None:
             raise KeyError("no stored prefix")
-        head_key, stored, shared = found
+        head_key, stored, shared, nbytes = found
         held = llm.input_ids[: llm.n_tokens]
         n = min(len(held), len(tokens))
         parted = np.flatnonzero(held[:n] != tokens[:n])
         in_context = int(parted[0]) if parted.size else n
         if shared <= in_context or len(stored) > llm.n_ctx():
             raise KeyError("the context holds as much")  # keep what the context has: nothing to read
+        # The whole state is read, however little of it the prompt shares: worth it only where that
+        # costs less than evaluating the tokens it saves (llama.cpp evaluates the last one in any case).
+        saved = min(shared, len(tokens) - 1) - in_context
+        if self.reuse == "auto" and nbytes is not None and not self.rates.reuse(nbytes, saved):
+            self.stats["declined"] += 1
+            raise KeyError("restoring costs more than it saves")
+        start = time.perf_counter()
         entry = self.store.get(self._state_key(head_key), kind=KIND)
         if entry is None or entry.tensors.get("state") is None:
             raise KeyError("state evicted")
@@ -263,11 +290,13 @@ class LlamaCppCache(BaseLlamaCache):
         if scores is not None and llm._logits_all:
             llm.scores[: len(stored), :] = scores
         llm.n_tokens = len(stored)
+        self.rates.record_restore(state.nbytes + (0 if scores is None else scores.nbytes), time.perf_counter() - start)
         return stored, shared
 
     # -- storing --------------------------------------------------------------------------
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
-        """Store the context's state (``value`` is what ``llm.save_state()`` just returned)."""
+        """Store the context's state (``value`` is what ``llm.save_state()`` just returned; with ``logits_all``
+        its scores are stored as they are, written after the call returns)."""
         try:
             self._store(value)
         except Exception as exc:  # noqa: BLE001
@@ -275,6 +304,7 @@ class LlamaCppCache(BaseLlamaCache):
 
     def _store(self, value: Any) -> None:
         llm = self.llm
+        self._record_prefill()
         n = int(value.n_tokens)
         tokens = np.asarray(value.input_ids[:n], dtype=np.intc)
         if n < self.block_tokens or not self._usable():
@@ -296,13 +326,20 @@ class LlamaCppCache(BaseLlamaCache):
             raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         tensors = {"state": state}
         if llm._logits_all:
-            tensors["scores"] = np.ascontiguousarray(llm.scores[:n], dtype=np.single)
+            # A copy, since the context's scores change with the next completion, before the write: the one
+            # llama-cpp-python's save_state just made where it is one (copying 400 MB again costs a second).
+            scores = getattr(value, "scores", None)
+            if not (isinstance(scores, np.ndarray) and scores.shape == (n, llm.n_vocab()) and scores.dtype == np.single
+                    and scores.flags.c_contiguous and not np.may_share_memory(scores, llm.scores)):
+                scores = np.array(llm.scores[:n], dtype=np.single, copy=True)
+            tensors["scores"] = scores
         cost = n / self._prefill_rate()
-        if not self.store.put(head_key, {"tokens": tokens}, kind=HEAD_KIND, cost_s=cost):
+        state_bytes = np.array([sum(t.nbytes for t in tensors.values())], dtype=np.int64)
+        if not self.store.put(head_key, {"tokens": tokens, "state_bytes": state_bytes}, kind=HEAD_KIND, cost_s=cost):
             return
-        if not self.store.put(self._state_key(head_key), tensors, kind=KIND, cost_s=cost, parent=head_key):
-            self.store.delete(head_key)
-            return
+        # Written after the completion returns (the store's writer thread); a reader finds the head's
+        # state missing until then, a miss.
+        self.store.put(self._state_key(head_key), tensors, kind=KIND, cost_s=cost, parent=head_key, background=True)
         self.stats["stored"] += 1
         # A new state that extends a stored one serves every prompt the old one did: it replaces it.
         replaced = found[0] if found is not None and found[2] == len(found[1]) < n else None
@@ -317,10 +354,20 @@ class LlamaCppCache(BaseLlamaCache):
         if replaced is not None:
             self.store.delete(replaced)  # its state goes with it (chained)
 
-    def _prefill_rate(self) -> float:
-        """Prompt tokens per second llama.cpp has measured in this context (what a state saves)."""
+    def _record_prefill(self) -> None:
+        """Record the prompt tokens llama.cpp evaluated since the last call, and how long they took."""
         perf = llama_cpp.llama_perf_context(self.llm._ctx.ctx)
-        return perf.n_p_eval / (perf.t_p_eval_ms / 1000) if perf.n_p_eval and perf.t_p_eval_ms > 0 else 1000.0
+        n, ms, load_ms = int(perf.n_p_eval), float(perf.t_p_eval_ms), float(perf.t_load_ms)
+        last_n, last_ms, last_load_ms = self._perf if n >= self._perf[0] else (0, 0.0, load_ms)  # counters reset
+        self._perf = (n, ms, load_ms)
+        if load_ms != last_load_ms:
+            return  # llama.cpp counts a context's first evaluation as loading: its tokens, not its time
+        self.rates.record_prefill(n - last_n, (ms - last_ms) / 1000)
+
+    def _prefill_rate(self) -> float:
+        """Prompt tokens per second in this setting (what a state saves; the eviction policy's cost)."""
+        prefill = self.rates.samples["prefill"]
+        return 1.0 / float(np.median(prefill)) if prefill else 1000.0
 
     # -- BaseLlamaCache ---------------------------------------------------------------------
     @property

@@ -225,6 +225,7 @@ def test_namespaces_keep_tenants_apart(tmp_path):
     llm.set_cache(cache_b)
     complete(llm, DOC + QUESTIONS[1])
     assert cache_b.stats["hits"] == 0 and cache_b.stats["stored"] == 1  # b stored its own
+    cache_a.store.flush(), cache_b.store.flush()  # states are written after the completion returns
     mine_a, mine_b = ({i.key for i in PromptStore(folder, namespace=n).ls(kind=KIND)} for n in "ab")
     assert len(mine_a) == len(mine_b) == 1 and not mine_a & mine_b  # each sees only its own state
     assert cache_a.cache_size == sum(i.size for i in PromptStore(folder, namespace="a").ls(kind=KIND))
@@ -392,3 +393,34 @@ def test_a_bundle_carries_states_to_another_store(tmp_path, reference):
     llm.set_cache(cache)
     assert complete(llm, DOC + QUESTIONS[1]) == reference(DOC + QUESTIONS[1])
     assert cache.stats["hits"] == 1
+
+
+def test_a_state_that_costs_more_to_restore_than_it_saves_is_declined_and_both_branches_equal_a_recompute(
+        tmp_path, reference):
+    """A hit reads the whole stored state however little of it a prompt shares: the rule weighs that
+    against the tokens it saves, from the setting's rates (planted here to decide each branch)."""
+    store = PromptStore(tmp_path / "s")
+    llm = make_llm()
+    cache = LlamaCppCache(llm, store)
+    llm.set_cache(cache)
+    complete(llm, DOC + QUESTIONS[0], n=24)  # llama.cpp counts a context's first evaluation as loading
+    llm.reset()
+    complete(llm, "Preface. " + DOC + QUESTIONS[0])  # a miss: a full prefill, measured
+    assert cache.rates.samples["prefill"]
+    prompt = DOC[: len(DOC) // 3] + " The rest of this manual covers ladders, gloves and the canteen's opening hours."
+    for restore_s_per_byte, served in ((1.0, False), (1e-15, True)):
+        cache.rates.samples.update(prefill=[1e-3], restore=[restore_s_per_byte])
+        llm.reset()
+        before = dict(cache.stats)
+        assert complete(llm, prompt) == reference(prompt)
+        assert cache.stats["hits"] - before["hits"] == int(served)
+        assert cache.stats["declined"] - before["declined"] == int(not served)
+    always = LlamaCppCache(llm, store, reuse="always")
+    llm.set_cache(always)
+    always.rates.samples.update(prefill=[1e-3], restore=[1.0])
+    llm.reset()
+    assert complete(llm, prompt) == reference(prompt)
+    assert always.stats["hits"] == 1 and always.stats["declined"] == 0
+    store.close()
+    with PromptStore(tmp_path / "s") as reopened:  # a fresh process starts with the measured rates
+        assert LlamaCppCache(make_llm(), reopened).rates.samples["prefill"]
