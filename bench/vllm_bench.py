@@ -18,7 +18,11 @@ Per dtype, ``--repeats`` documents per length (each a document plus a question),
   other host (Redis) a fresh engine with an empty folder of its own and the same Redis: the same
 
 Greedy first tokens are compared with vLLM alone. Bytes per stored token: the store's bytes over the
-tokens its blocks hold. LMCache is not installed by this benchmark (see the docs' benchmarks page).
+tokens its blocks hold.
+
+With ``--lmcache-python PATH`` (a Python that has vLLM and LMCache; this benchmark does not install
+LMCache), two more rows per length: vLLM's ``LMCacheConnectorV1`` with LMCache's local CPU and disk
+backends, cold with storing, then a restarted engine on the same disk folder (another question).
 """
 
 from __future__ import annotations
@@ -47,13 +51,18 @@ QUESTIONS = ["\nQuestion: Where do forklifts park?\nAnswer:", "\nQuestion: Which
 
 def engine_child(spec: dict) -> None:
     """In vLLM's venv: build one engine, then time each prompt's first token."""
+    if spec.get("lmcache"):  # LMCache reads its settings from the environment
+        os.environ.update({"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
+                           "LMCACHE_LOCAL_DISK": f"file://{spec['lmcache']}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "8"})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kwargs = {}
-    if spec["connector"] is not None:
+    if spec.get("lmcache"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    elif spec["connector"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
             kv_connector_extra_config=spec["connector"])
@@ -79,10 +88,12 @@ def documents(tokenizer, length: int, repeats: int) -> list[list[list[int]]]:
 
 
 def run_engine(args: argparse.Namespace, site: str, model: str, dtype: str, prompts: list[list[int]],
-               connector: dict | None) -> list[dict]:
+               connector: dict | None, lmcache: str | None = None) -> list[dict]:
     spec = Path(site).parent / "spec.json"  # token ids: too long for a command line
-    spec.write_text(json.dumps({"model": model, "dtype": dtype, "prompts": prompts, "connector": connector}))
-    proc = subprocess.run([args.vllm_python, __file__, "--engine", str(spec)], capture_output=True, text=True,
+    spec.write_text(json.dumps({"model": model, "dtype": dtype, "prompts": prompts, "connector": connector,
+                                "lmcache": lmcache}))
+    python = args.lmcache_python if lmcache else args.vllm_python
+    proc = subprocess.run([python, __file__, "--engine", str(spec)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": site}, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     if proc.returncode or not lines:
@@ -114,6 +125,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm-python", default=os.environ.get("PROMPTSTORE_VLLM_PYTHON"))
     parser.add_argument("--out", default=str(BENCH / "results" / f"vllm_bench_{time.strftime('%Y-%m-%d')}.json"))
+    parser.add_argument("--lmcache-python", help="a Python with vLLM and LMCache: adds LMCache's rows")
+    parser.add_argument("--skip-promptstore", action="store_true", help="only the LMCache rows (and vLLM alone)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
@@ -143,6 +156,25 @@ def main() -> None:
                 redis_py.Redis.from_url(redis.url).flushall()
                 alone = run_engine(args, str(site), model, dtype, [p for pair in docs for p in pair], None)
                 cold, hit = alone[0::2], alone[1::2]
+                if args.lmcache_python:
+                    lm_folder = work / f"lmcache-{dtype}-{length}"
+                    lm_folder.mkdir()
+                    lm_cold = run_engine(args, str(site), model, dtype, [pair[0] for pair in docs], None, str(lm_folder))
+                    lm_warm = run_engine(args, str(site), model, dtype, [pair[1] for pair in docs], None, str(lm_folder))
+                    lm_row = {"dtype": dtype, "length": len(docs[0][1]), "connector": "LMCache",
+                              "cold_s": median([r["s"] for r in cold]), "vllm_hit_s": median([r["s"] for r in hit]),
+                              "cold_store_s": median([r["s"] for r in lm_cold]),
+                              "restart_disk_first_s": lm_warm[0]["s"], "restart_disk_s": median([r["s"] for r in lm_warm]),
+                              "served_tokens": lm_warm[0]["cached"],
+                              "same_first_token": all(a["token"] == b["token"] for a, b in zip(hit, lm_warm, strict=True))}
+                    rows.append(lm_row)
+                    save(args, rows)
+                    print(f"LMCache {dtype:>9} {lm_row['length']:>5} tokens  cold {lm_row['cold_s']:.3f} s  cold+store "
+                          f"{lm_row['cold_store_s']:.3f}  restarted first {lm_row['restart_disk_first_s']:.3f} median "
+                          f"{lm_row['restart_disk_s']:.3f}  served {lm_row['served_tokens']}  same tokens: "
+                          f"{lm_row['same_first_token']}", flush=True)
+                if args.skip_promptstore:
+                    continue
                 stored = run_engine(args, str(site), model, dtype, [pair[0] for pair in docs],
                                     {"path": str(folder), "redis_url": redis.url})
                 settle(folder)

@@ -10,7 +10,9 @@ rounding, for: a restarted engine reading the folder (the same question, another
 same document, a multi-turn chat); another host through a real Redis, which is then killed; two
 engines running at once on one folder and a Redis Cluster, each served the other's blocks, and a
 third host through the cluster; ``vllm serve`` restarted between two requests of an OpenAI client;
-LoRA adapters; a corrupt entry. Another ``cache_salt``, adapter, dtype or model never gets a hit.
+LoRA adapters; a corrupt entry; requests with pictures (a small Idefics3: each picture's blocks are
+its own, the text before it is shared); tensor parallelism (three ranks, each its own shard; ``slow``).
+Another ``cache_salt``, adapter, picture, dtype, model or parallel layout never gets a hit.
 """
 
 from __future__ import annotations
@@ -328,3 +330,57 @@ def test_vllm_serve_restarted_between_two_openai_requests_serves_the_second_from
     assert second["cached"] == full_blocks(second) > 0
     same_answer(first, plain[Q0])
     same_answer(second, plain[Q0])
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(model_dir, tmp_path_factory) -> str:
+    """A small Idefics3 with random weights (tests/vllm_engine.py --tiny-idefics3): vLLM's CPU venv has no
+    torchvision, which the LLaVA and PaliGemma paths import; Idefics3's does not."""
+    folder = tmp_path_factory.mktemp("tiny-idefics3")
+    proc = subprocess.run([PYTHON, str(ENGINE), "--tiny-idefics3", str(folder), model_dir], env=_env(), timeout=600,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return str(folder)
+
+
+HEAD = " ".join(f"Shelf {i} holds spare fuses, the blue binder and two torches." for i in range(12))  # ~170 tokens
+
+
+def image_prompt(question: str, images: list[int]) -> dict:
+    """A first block of text alone, then the pictures in the second block, then a document and a question."""
+    return {"text": f"{HEAD}\n{'<image>' * len(images)}\n{DOC[:1500]}\nQuestion: {question}\nAnswer:",
+            "image": images}
+
+
+def test_multimodal_blocks_are_keyed_by_their_images(idefics3_dir, tmp_path):
+    store = {"path": str(tmp_path / "store")}
+    asked = [image_prompt(QUESTIONS[1], [1]), image_prompt(QUESTIONS[0], [2]), image_prompt(QUESTIONS[0], [2, 1])]
+    alone, cold = engines_at_once(idefics3_dir, [
+        (asked, None), ([image_prompt(QUESTIONS[0], [1]), image_prompt(QUESTIONS[0], [1, 2])], store)])
+    assert [r["cached"] for r in cold] == [0, BLOCK]  # the second shares the first's text block only
+    settle(store["path"])
+    warm = engine(idefics3_dir, asked, store)
+    # The same picture: its blocks and the document's; another picture, or the same two in another
+    # order: only the block of text before them.
+    assert warm[0]["cached"] >= 3 * BLOCK
+    assert [r["cached"] for r in warm[1:]] == [BLOCK, BLOCK]
+    for got, want in zip(warm, alone, strict=True):
+        same_answer(got, want)
+    assert len({r["logprobs"][0] for r in alone}) == len(alone)  # the pictures change the answer
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_store_and_read_their_own_shard(model_dir, plain, tmp_path):
+    store = {"path": str(tmp_path / "store")}
+    cold = engine(model_dir, [prompt(QUESTIONS[0])], store, tensor_parallel_size=3)  # SmolLM2: 9 heads, 3 KV heads
+    settle(store["path"])
+    warm = engine(model_dir, [prompt(QUESTIONS[1]), prompt(QUESTIONS[0])], store, tensor_parallel_size=3)
+    single = engine(model_dir, [prompt(QUESTIONS[0])], store)
+    assert cold[0]["cached"] == 0
+    assert warm[0]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK
+    assert warm[1]["cached"] == full_blocks(warm[1]) > 0
+    assert single[0]["cached"] == 0  # one rank's pages are not a shard's
+    with PromptStore(store["path"]) as s:  # three shards a block, and the single rank's own blocks
+        assert len(s.ls(kind="vllm.kv")) == (3 + 1) * (full_blocks(cold[0]) // BLOCK)
+    for got, want in ((warm[0], plain[Q1]), (warm[1], plain[Q0]), (single[0], plain[Q0])):
+        assert got["text"] == want["text"]

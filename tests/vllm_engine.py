@@ -77,6 +77,11 @@ def engine(spec: dict) -> list[dict]:
     adapters = sorted({p["lora"] for p in spec["prompts"] if p.get("lora")})
     if adapters:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(adapters))
+    for name in ("load_format", "tensor_parallel_size"):
+        if name in spec:
+            kwargs[name] = spec[name]
+    if any("image" in p for p in spec["prompts"]):
+        kwargs["limit_mm_per_prompt"] = {"image": 2}
     llm = LLM(spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=4096, seed=0,
               **kwargs)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
@@ -95,10 +100,49 @@ def engine(spec: dict) -> list[dict]:
                 results.append(answer(out))
                 messages.append({"role": "assistant", "content": out.outputs[0].text})
         else:
-            out = llm.generate([{"prompt": prompt["text"], **salt}], params, use_tqdm=False, lora_request=lora)[0]
+            images = {"multi_modal_data": {"image": [image(seed) for seed in prompt["image"]]}} \
+                if "image" in prompt else {}
+            out = llm.generate([{"prompt": prompt["text"], **salt, **images}], params, use_tqdm=False,
+                               lora_request=lora)[0]
             results.append(answer(out))
         after(prompt, spec)
     return results
+
+
+def image(seed: int):
+    """A 64x64 picture of noise, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+
+
+def tiny_idefics3(folder: str, tokenizer_dir: str) -> None:
+    """A small Idefics3 (its SigLIP-style vision tower, a Llama text model) with random weights (transformers'
+    own initialisation, seeded), SmolLM2's tokenizer with Idefics3's image tokens, and its processor.
+    ``<image>`` in a prompt becomes a picture's tokens where it stands."""
+    import torch
+    from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig)
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                                "<end_of_utterance>", "<global-img>"]})
+    images = Idefics3ImageProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56},
+                                    do_image_splitting=False)
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4).save_pretrained(folder)
+    vocab = (len(tokenizer) + 63) // 64 * 64
+    text = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       tie_word_embeddings=True)
+    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=56, patch_size=14)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(folder)
 
 
 def client(url: str, spec: dict) -> list[dict]:
@@ -118,6 +162,9 @@ def client(url: str, spec: dict) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--tiny-idefics3":
+        tiny_idefics3(sys.argv[2], sys.argv[3])
+        sys.exit(0)
     if sys.argv[1] == "--client":
         found = client(sys.argv[2], json.loads(sys.argv[3]))
     else:

@@ -14,8 +14,13 @@ What a key names (another value of any of these: no hits, ever): the model folde
 content, through the digest memo), the dtype, the KV cache dtype, the quantization, the block
 size, the layers, heads and head size, the attention backend and the page layout the worker
 allocates (the CPU instruction set that packs it; a block whose shape or dtype differs from the
-page it would fill is a load error), the vLLM version (one rank: tensor and pipeline parallel size 1); per request the LoRA adapter (its files, not its name)
-and ``cache_salt``. Requests with multimodal inputs are neither served nor stored.
+page it would fill is a load error), the load format (``dummy`` weights are not the folder's), the
+vLLM version, and the tensor- and pipeline-parallel sizes: each rank stores and reads its own shard
+of a block under a key of its own, and a block is served only when every rank's shard is stored.
+Per request: the LoRA adapter (its files, not its name), ``cache_salt``, and each multimodal item
+(vLLM's hash of it, its modality and where its placeholder lies in the block), chained into the
+block that holds it and so into every later block. Requests given as embeddings (``prompt_embeds``)
+are neither served nor stored, and neither are context-parallel engines.
 
 A block's entry holds its bytes for every layer as vLLM's page holds them (``vllm.kv``). The
 scheduler side finds the longest stored run of blocks past vLLM's own hit by index lookups
@@ -46,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from promptstore import PromptStore, chain_keys, file_digest
+from promptstore.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -129,9 +135,15 @@ class PromptStoreConnector(KVConnectorBase_V1):
                                  namespace=str(extra.get("namespace", "")), memory_bytes=extra.get("memory_bytes", 0),
                                  disk_bytes=extra.get("disk_bytes", "20GiB"))
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            # Each rank holds a shard of every page: its blocks would need keys of their own (not built).
-            raise ValueError("PromptStoreConnector serves one rank (tensor and pipeline parallel size 1)")
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1 or getattr(
+                parallel, "prefill_context_parallel_size", 1) > 1:
+            # A context-parallel rank holds some tokens of every block: its pages are not blocks.
+            raise UnsupportedModelError("PromptStoreConnector does not serve context-parallel engines "
+                                        "(decode_context_parallel_size / prefill_context_parallel_size > 1)")
+        # Every rank's shard of a block: (tensor-parallel rank, pipeline stage).
+        self._shards = [(t, p) for p in range(parallel.pipeline_parallel_size)
+                        for t in range(parallel.tensor_parallel_size)]
+        self._shard = self._worker_shard() if role == KVConnectorRole.WORKER else (0, 0)
         self.block_size = int(vllm_config.cache_config.block_size)
         self._engine = self._engine_fingerprints(vllm_config)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
@@ -143,6 +155,24 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._seconds_per_token = 1e-4  # priced again from each step that stores blocks
 
     # -- keys -----------------------------------------------------------------------------------
+    def _worker_shard(self) -> tuple[int, int]:
+        """This worker's (tensor-parallel rank, pipeline stage); vLLM sets both up before the connector."""
+        if len(self._shards) == 1:
+            return (0, 0)
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return (int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group))
+
+    def _sharded(self, key: bytes, shard: tuple[int, int]) -> bytes:
+        """The key of one rank's shard of a block (the block's own key on a single rank)."""
+        if len(self._shards) == 1:
+            return key
+        return self.store.key(KIND, key, fingerprints=[f"shard:tp{shard[0]}:pp{shard[1]}"])
+
+    def _stored(self, key: bytes) -> bool:
+        """Whether every rank's shard of the block ``key`` is stored (index lookups only)."""
+        return all(self._sharded(key, shard) in self.store for shard in self._shards)
+
     def _engine_fingerprints(self, config: VllmConfig) -> list[str]:
         import vllm
 
@@ -156,13 +186,16 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 f"kv_cache_dtype:{cache.cache_dtype}", f"quantization:{model.quantization}",
                 f"block:{self.block_size}", f"layers:{layers}", f"kv_heads:{heads}", f"head_size:{head_size}",
                 f"platform:{type(config.device_config.device).__name__}:{config.device_config.device_type}",
+                f"load_format:{getattr(config.load_config, 'load_format', '')}",
                 f"backend:{backend}", f"isa:{_isa()}", f"tp:{parallel.tensor_parallel_size}",
                 f"pp:{parallel.pipeline_parallel_size}", f"vllm:{vllm.__version__}", f"torch:{torch.__version__}"]
 
-    def _root(self, request: Request, rank: int = 0) -> bytes | None:
-        """The key every block of ``request`` chains from; None: the request cannot be keyed (multimodal)."""
-        if getattr(request, "mm_features", None):
-            return None
+    def _root(self, request: Request) -> bytes | None:
+        """The key every block of ``request`` chains from; None: the request cannot be keyed."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None  # its inputs are embeddings, which the token ids do not name
+        if any(getattr(f, "identifier", None) is None for f in getattr(request, "mm_features", None) or ()):
+            return None  # an item vLLM did not hash
         lora = getattr(request, "lora_request", None)
         adapter = "lora:none"
         if lora is not None:
@@ -172,11 +205,30 @@ class PromptStoreConnector(KVConnectorBase_V1):
             adapter = "lora:" + ",".join(f"{p.name}:{file_digest(p)}" for p in sorted(Path(folder).iterdir())
                                          if p.is_file())
         salt = getattr(request, "cache_salt", None)
-        return self.store.key(KIND, b"", fingerprints=[*self._engine, adapter, f"salt:{salt!r}", f"rank:{rank}"])
+        return self.store.key(KIND, b"", fingerprints=[*self._engine, adapter, f"salt:{salt!r}"])
 
-    def _keys(self, root: bytes, ids: Any, n_blocks: int) -> list[bytes]:
-        ids = np.asarray(ids[: n_blocks * self.block_size], dtype=np.int64)
-        return chain_keys(root, ids, self.block_size) if n_blocks else []
+    def _keys(self, root: bytes, request: Request, ids: Any, n_blocks: int) -> list[bytes]:
+        """The chained keys of the first ``n_blocks`` blocks; a block holding a multimodal item also names the item."""
+        bs = self.block_size
+        ids = np.asarray(ids[: n_blocks * bs], dtype=np.int64)
+        features = list(getattr(request, "mm_features", None) or ())
+        if not n_blocks:
+            return []
+        if not features:
+            return chain_keys(root, ids, bs)
+        keys: list[bytes] = []
+        parent = root
+        for b in range(n_blocks):
+            start, end = b * bs, (b + 1) * bs
+            key = chain_keys(parent, ids[start:end], bs)[0]
+            items = [f"mm:{f.modality}:{f.identifier}:{f.mm_position.offset - start}:{f.mm_position.length}"
+                     for f in features
+                     if f.mm_position.offset < end and f.mm_position.offset + f.mm_position.length > start]
+            if items:  # every later block chains from this one, so it names the item too
+                key = self.store.key(KIND, key, fingerprints=items)
+            keys.append(key)
+            parent = key
+        return keys
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -186,17 +238,16 @@ class PromptStoreConnector(KVConnectorBase_V1):
         if root is None or len(ids) < 2:
             return 0, False
         usable = (len(ids) - 1) // self.block_size  # at least the last token is computed
-        keys = self._keys(root, ids, usable)
+        keys = self._keys(root, request, ids, len(ids) // self.block_size)
         found = 0
         try:
-            for key in keys:
-                if key not in self.store:
+            for key in keys[:usable]:
+                if not self._stored(key):
                     break
                 found += 1
         except Exception:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
             found = 0
-        self._tracked[request.request_id] = _Tracked(root, self._keys(root, ids, len(ids) // self.block_size),
-                                                     local=num_computed_tokens)
+        self._tracked[request.request_id] = _Tracked(root, keys, local=num_computed_tokens)
         hit = found * self.block_size
         return max(0, hit - num_computed_tokens), False
 
@@ -243,7 +294,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
         keys, parents, pages = [], [], []
         for b in range(tracked.stored, upto):
             try:
-                present = tracked.keys[b] in self.store
+                present = self._stored(tracked.keys[b])
             except Exception:  # noqa: BLE001 - a store that cannot answer: try to write, the tier warns
                 present = False
             if not present:
@@ -283,7 +334,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
 
     def _load_block(self, key: bytes, block_id: int) -> bool:
         try:
-            entry = self.store.get(key, kind=KIND)
+            entry = self.store.get(self._sharded(key, self._shard), kind=KIND)
         except Exception:  # noqa: BLE001 - a tier that fails is a miss
             entry = None
         if entry is None or "kv" not in entry.tensors:
@@ -316,7 +367,8 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 data = torch.stack([self._block(t, block_id) for _, t in self._pages]).to("cpu", copy=True)
                 array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
                 stored = (array, "BF16") if data.dtype == torch.bfloat16 else array
-                self._write(key, parent, stored)
+                self._write(self._sharded(key, self._shard),
+                            None if parent is None else self._sharded(parent, self._shard), stored)
 
     def _write(self, key: bytes, parent: bytes | None, data: Any) -> None:
         if self._writer is None:
