@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from ._walk import _MISSING, CODE_MEMO, Unidentifiable, Walk
+from ._walk import _MISSING, CODE_MEMO, Unidentifiable, Walk, register_describer
 
 __all__ = ["walk_module", "walk_tree", "active_dropout", "IGNORED_ATTRIBUTES"]
 
@@ -243,3 +243,7 @@ def active_dropout(module: Any, skip: str | tuple[str, ...] = "") -> str | None:
             if isinstance(v, float) and v > 0 and ("dropout" in k or k in ("drop_prob", "attn_drop", "proj_drop")):
                 return f"{name or type(sub).__name__} ({k}={v})"
     return None
+
+
+register_describer("entry-methods", _entry_methods)
+register_describer("module", walk_module)

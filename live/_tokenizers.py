@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from ._walk import Unidentifiable, Walk
+from ._walk import Unidentifiable, Walk, register_describer
 
 __all__ = ["describe_backend", "tokenizer_files", "record_tokenizer", "tokenizer_origin", "TOKENIZER_IGNORED",
            "TOKENIZER_FILES"]
@@ -161,3 +161,7 @@ def describe_backend(walk: Walk, v: Any, path: str, *, per_call: bool = False, o
     if getattr(type(v), "__getstate__", None) in (None, getattr(object, "__getstate__", None)):
         raise Unidentifiable(path, f"a tokenizers.{type(v).__name__} without a serialisable state")
     walk.emit(f"tokenizers.{type(v).__name__}:{_state(v)}")
+
+
+register_describer("origin", tokenizer_origin)
+register_describer("backend", describe_backend)

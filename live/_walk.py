@@ -30,12 +30,12 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import xxhash
 
-__all__ = ["Walk", "Unidentifiable", "SHALLOW_MODULES"]
+__all__ = ["Walk", "Unidentifiable", "SHALLOW_MODULES", "register_describer"]
 
 # Functions from these packages are named by their own code, without following what they call:
 # their behaviour is pinned by the library version that is part of every identity, and following
@@ -55,6 +55,26 @@ _LARGE = 4096  # containers this long are digested once per object and length (s
 
 
 _MISSING: Any = object()
+
+# What other files of this package know how to describe, registered there when they are imported
+# (the package imports them all): "module", a torch module held outside the tree being walked
+# (_modules.walk_module); "entry-methods", what a class's code reaches on the class
+# (_modules._entry_methods); "backend", a ``tokenizers`` object (_tokenizers.describe_backend);
+# "origin", what a tokenizer's backend was built from (_tokenizers.tokenizer_origin). The visitor
+# dispatches to them by the kind of value and imports none of them.
+_DESCRIBERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_describer(kind: str, describer: Callable[..., Any]) -> None:
+    """``describer`` describes values of ``kind`` for every :class:`Walk` (see ``_DESCRIBERS``)."""
+    _DESCRIBERS[kind] = describer
+
+
+def _describer(kind: str) -> Callable[..., Any]:
+    try:
+        return _DESCRIBERS[kind]
+    except KeyError:  # only if a file of this package was imported without the package
+        raise RuntimeError(f"no describer registered for {kind!r}: import promptstore._live") from None
 
 
 class Reads:
@@ -368,9 +388,7 @@ class Walk:
                 self.emit(f"module@{where}")
             elif not self._seen(v):
                 # A module held outside the tree (not registered): walked like a child.
-                from ._modules import walk_module
-
-                walk_module(self, v, f"{path}~", shallow_code=False)
+                _describer("module")(self, v, f"{path}~", shallow_code=False)
         elif isinstance(v, (list, tuple, set, frozenset, dict, Mapping)) and self._large(v, path):
             pass
         elif isinstance(v, (list, tuple)):
@@ -407,8 +425,7 @@ class Walk:
             self.reads.call(v, v())
             self.value(v(), path + "()", depth + 1)
         elif type(v).__module__ == "tokenizers" or type(v).__module__.startswith("tokenizers."):
-            from ._tokenizers import describe_backend
-
+            describe_backend = _describer("backend")
             # Rust state, invisible to the reads: described again on every check, compared as text.
             per_call = id(v) in self._per_call
             origin = self._origins.get(id(v))
@@ -501,9 +518,7 @@ class Walk:
         if callable(v) and not isinstance(v, type):
             # A callable object (a tokenizer, a hook object): its class's __call__ and every
             # method or class value that code reaches on the class (self.encode, self.bpe...).
-            from ._modules import _entry_methods
-
-            for key, kind, attr in _entry_methods(self, cls, ("__call__",)):
+            for key, kind, attr in _describer("entry-methods")(self, cls, ("__call__",)):
                 self.emit(f"{kind}:{key}")
                 if kind == "method":
                     self.callable(attr, f"{path}.{key}", depth + 1)
@@ -514,10 +529,8 @@ class Walk:
             if (config and k in CONFIG_PROVENANCE) or k in self.ignore:
                 continue
             if per_call_owner and k == "_tokenizer":
-                from ._tokenizers import tokenizer_origin
-
                 self._per_call.add(id(fields[k]))
-                self._origins[id(fields[k])] = tokenizer_origin(v, fields[k])
+                self._origins[id(fields[k])] = _describer("origin")(v, fields[k])
             self.emit(f"field:{k}")
             self.value(fields[k], f"{path}.{k}", depth + 1)
         self.emit("}")
@@ -648,10 +661,8 @@ class Walk:
 
 
 def _backend_text(backend: Any, path: str, per_call: bool, origin: str | None) -> tuple[str, ...]:
-    from ._tokenizers import describe_backend
-
     walk = Walk(None)
-    describe_backend(walk, backend, path, per_call=per_call, origin=origin)
+    _describer("backend")(walk, backend, path, per_call=per_call, origin=origin)
     return tuple(walk.lines)
 
 
