@@ -556,10 +556,11 @@ class ChunkCache:
         Raises:
             InvalidInputError: fewer than two segments, an empty segment, bad token ids.
         """
-        segs = self._segments(segments)
-        cache, logits = self._build(segs, sum(len(s) for s in segs))
-        self._end()
-        return cache, logits
+        with self.prefix._serving:  # one request at a time (see the class)
+            segs = self._segments(segments)
+            cache, logits = self._build(segs, sum(len(s) for s in segs))
+            self._end()
+            return cache, logits
 
     def generate(self, segments: Sequence[Any], **generate_kwargs: Any) -> Any:
         """``model.generate`` on the prompt of ``segments`` (see :meth:`prefill`), reusing stored passages.
@@ -570,28 +571,29 @@ class ChunkCache:
         Raises:
             InvalidInputError: bad segments, beams or several sequences, bad lengths.
         """
-        import torch
+        with self.prefix._serving:  # one request at a time (see the class)
+            import torch
 
-        segs = self._segments(segments)
-        # Resolved as model.generate resolves them (kwargs, a passed generation_config, the model's own).
-        check_generation(self.model, generate_kwargs, "ChunkCache.generate")
-        if generate_kwargs.pop("attention_mask", None) is not None:
-            raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
-        ids = np.concatenate(segs)
-        check_lengths(generate_kwargs, len(ids))
-        if self.max_kl is None:
-            # Everything but the last token: generate runs that one and goes on.
-            cache, _ = self._build(segs, len(ids) - 1)
-        else:
-            # The guard judges the distribution of the first new token, so the whole prompt is built;
-            # generate then runs the last token again (one more forward over one token).
-            cache, _ = self._build(segs, len(ids))
-            cache.crop(-1)
-        full = torch.as_tensor(ids, device=self.model.device)[None]
-        generate_kwargs[self.prefix._cache_arg] = cache
-        out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
-        self._end()
-        return out
+            segs = self._segments(segments)
+            # Resolved as model.generate resolves them (kwargs, a passed generation_config, the model's own).
+            check_generation(self.model, generate_kwargs, "ChunkCache.generate")
+            if generate_kwargs.pop("attention_mask", None) is not None:
+                raise InvalidInputError("ChunkCache.generate makes its own attention mask: pass none")
+            ids = np.concatenate(segs)
+            check_lengths(generate_kwargs, len(ids))
+            if self.max_kl is None:
+                # Everything but the last token: generate runs that one and goes on.
+                cache, _ = self._build(segs, len(ids) - 1)
+            else:
+                # The guard judges the distribution of the first new token, so the whole prompt is built;
+                # generate then runs the last token again (one more forward over one token).
+                cache, _ = self._build(segs, len(ids))
+                cache.crop(-1)
+            full = torch.as_tensor(ids, device=self.model.device)[None]
+            generate_kwargs[self.prefix._cache_arg] = cache
+            out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
+            self._end()
+            return out
 
     def _end(self) -> None:
         self._total.add(self._last)

