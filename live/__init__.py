@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import xxhash
 
@@ -52,7 +53,8 @@ class _ByObject:
     def set(self, obj: Any, value: Any) -> None:
         key = id(obj)
         try:
-            ref = weakref.ref(obj, lambda _, k=key, d=self._d: d.pop(k, None))
+            # cast: mypy cannot infer a lambda with default arguments against weakref.ref's callback type
+            ref = weakref.ref(obj, cast("Callable[[weakref.ref[Any]], object]", lambda _, k=key, d=self._d: d.pop(k, None)))
         except TypeError:
             return  # not weak-referenceable: described in full every call
         self._d[key] = (ref, value)

@@ -67,7 +67,7 @@ def _entry_methods(walk: Walk, cls: type, entries: tuple[str, ...]) -> list[tupl
             key = f"{name}@{klass.__module__}.{klass.__qualname__}"
             if isinstance(got, (types.FunctionType, staticmethod, classmethod, property)):
                 out[key] = (key, "method", got)
-                fn = got.__func__ if isinstance(got, (staticmethod, classmethod)) else got
+                fn: object = got.__func__ if isinstance(got, (staticmethod, classmethod)) else got
                 fn = fn.fget if isinstance(fn, property) else fn
                 while isinstance(fn, types.FunctionType):
                     # Names used as self.<name>(...) are looked up on the class: follow them too.

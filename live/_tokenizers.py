@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import xxhash
 
@@ -100,7 +101,9 @@ def record_tokenizer(owner: Any, files: list[tuple[str, str]] | None, after: lis
                    sorted((str(k), repr(v)) for k, v in kwargs.items()) if isinstance(kwargs, dict) else None])
     key = id(backend)
     with _MEMO_LOCK:
-        _ORIGINS[key] = (weakref.ref(owner, lambda _, k=key: _ORIGINS.pop(k, None)), backend, origin)
+        # cast: mypy cannot infer a lambda with default arguments against weakref.ref's callback type
+        _ORIGINS[key] = (weakref.ref(owner, cast("Callable[[weakref.ref[Any]], object]", lambda _, k=key: _ORIGINS.pop(k, None))),
+                         backend, origin)
 
 
 def tokenizer_origin(owner: Any, backend: Any) -> str | None:
