@@ -95,7 +95,7 @@ def _rope_types(model: Any) -> set[str]:
 
 
 def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
+    get: Any = getattr(config, "get_text_config", None)
     try:
         return get(decoder=True) if get is not None else config
     except TypeError:
@@ -248,7 +248,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
             # prompt (RoBERTa family), ALiBi variants (MPT) - found by tests/llm_zoo.py.
             steps, past = [], None
             for lo, hi in pieces:
-                kwargs = {cache_arg: past} if past is not None else {}
+                kwargs: dict[str, Any] = {cache_arg: past} if past is not None else {}
                 piece = model(probe[:, lo:hi], use_cache=True, **kwargs)
                 past = output_cache(piece)
                 steps.append(piece.logits[0].float())

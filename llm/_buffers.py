@@ -214,7 +214,7 @@ def reserved_layer_classes() -> Any:
     class _Full(_InPlace):
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             if not self.is_initialized or not self._in_place():  # type: ignore[attr-defined]
-                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
+                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc, no-any-return]
             with torch.inference_mode(False):  # our buffers stay normal tensors, whatever mode the caller is in
                 return self._write(key_states, value_states)
 
@@ -229,7 +229,7 @@ def reserved_layer_classes() -> Any:
                 if self.keys is not None and self.keys.shape[-2] > self.sliding_window - 1:
                     self.keys = self.keys[:, :, -self.sliding_window + 1 :]
                     self.values = self.values[:, :, -self.sliding_window + 1 :]
-                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
+                return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc, no-any-return]
             with torch.inference_mode(False):
                 keys, values = self._write(key_states, value_states)
             self.cumulative_length = self._n
@@ -250,12 +250,13 @@ def reserved_layer_classes() -> Any:
 
     # Layers that keep a running state and KV in one (Falcon-H1, Zaya): KV as above, the state
     # from the store (_states.py).
-    class _ReservedStateLayer(_Full, LinearAttentionAndFullAttentionLayer):
+    # ignore[misc]: transformers' own bases of these two disagree on `device` (and on activate_past_recording).
+    class _ReservedStateLayer(_Full, LinearAttentionAndFullAttentionLayer):  # type: ignore[misc]
         def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any) -> None:
             LinearAttentionAndFullAttentionLayer.__init__(self, number_of_states=like.number_of_states)
             self._reserve(kbuf, vbuf, n)
 
-    class _ReservedStateSlidingLayer(_Sliding, LinearAttentionAndSlidingWindowAttentionLayer):
+    class _ReservedStateSlidingLayer(_Sliding, LinearAttentionAndSlidingWindowAttentionLayer):  # type: ignore[misc]
         def __init__(self, kbuf: Any, vbuf: Any, n: int, like: Any) -> None:
             LinearAttentionAndSlidingWindowAttentionLayer.__init__(self, like.sliding_window,
                                                                    number_of_states=like.number_of_states)
@@ -340,7 +341,8 @@ def host_view(t: Any) -> np.ndarray:
     """A numpy view of a CPU tensor (bfloat16 as its raw uint16 bits)."""
     import torch
 
-    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    view: np.ndarray = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+    return view
 
 
 def copy_block(dst: np.ndarray, src: np.ndarray, stored: str, dtype: Any) -> None:

@@ -13,6 +13,15 @@ class Counts:
     # was expected to be faster than running the rest over them (PrefixCache's reuse="auto").
     FIELDS: tuple[str, ...] = ("queried", "served", "computed", "generated", "requests", "verified", "refuted",
                                "declined")
+    # The FIELDS, declared for the type checker (set in __init__ by name).
+    queried: int
+    served: int
+    computed: int
+    generated: int
+    requests: int
+    verified: int
+    refuted: int
+    declined: int
 
     def __init__(self) -> None:
         for name in self.FIELDS:

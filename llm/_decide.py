@@ -51,7 +51,7 @@ class Work:
     """Multiply-adds of a forward over positions ``[a, b)`` of one model."""
 
     def __init__(self, model: Any) -> None:
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = _size(getattr(text, "num_attention_heads", 0))
         hidden = _size(getattr(text, "hidden_size", 0))
@@ -66,7 +66,7 @@ class Work:
                 module = None
             if module is not None:
                 embeddings.update(id(p) for p in module.parameters())
-        self.params = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+        self.params: int = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
 
     def __call__(self, a: int, b: int) -> float:
         """Work of computing positions ``a`` to ``b - 1``.

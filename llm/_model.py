@@ -42,7 +42,7 @@ def _convert(gguf: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantized; the GGUF marker only stops save_pretrained.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__'s value as Tensor | Module
     with contextlib.suppress(AttributeError):
         del model.config.quantization_config
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}")
