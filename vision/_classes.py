@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tqdm import tqdm
@@ -86,7 +86,7 @@ def check_names(names: Any) -> list[str]:
     counts = Counter(names)
     if len(counts) != len(names):
         raise InvalidInputError(f"duplicate class names: {sorted(n for n, c in counts.items() if c > 1)[:20]}")
-    return names
+    return cast("list[str]", names)  # each checked to be a str above
 
 
 def vocabulary_payload(names: Sequence[str]) -> bytes:
@@ -217,7 +217,7 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
         part = names[lo : lo + chunk]
         checked = probe is not None and lo == 0
         t0 = time.perf_counter()
-        out = encoder.encode([probe[0], *part] if checked else part)
+        out = encoder.encode([probe[0], *part] if checked and probe is not None else part)
         each = (time.perf_counter() - t0) / (len(part) + checked)
         if checked:
             assert probe is not None
@@ -300,7 +300,7 @@ def default_encoder(model: Any) -> TextEncoder:
     return UltralyticsTextEncoder(variant)
 
 
-def _apply(model: Any, names: list[str], pe: np.ndarray) -> None:
+def _apply(model: Any, names: Sequence[str], pe: np.ndarray) -> None:
     import torch
 
     wrapper, inner, kind = _unwrap(model)
@@ -424,10 +424,10 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
         return _without_store(model, names, encoder, kind, inner, t0)
     if need_pe:
         assert mapped is not None
-        each = (time.perf_counter() - t1) / len(need_pe)
+        each_pe = (time.perf_counter() - t1) / len(need_pe)
         for j, i in enumerate(need_pe):
             pe[i] = mapped[j]
-            cost[i] += each
+            cost[i] += each_pe
             store.put(keys.pe(names[i]), {"pe": mapped[j]}, kind=PE_KIND,
                       cost_s=float(cost[i]), meta={"name": names[i], "encoder": keys.efp, "detector": str(keys.dfp)})
     store.put(set_key, {"pe": pe}, kind=SET_KIND, cost_s=float(cost.sum()),
@@ -467,7 +467,8 @@ def _without_store(model: Any, names: Sequence[str], encoder: TextEncoder, kind:
 
 
 def _model_id(wrapper: Any) -> str:
-    return wrapper._prompt_embedding_model()
+    model_id: str = wrapper._prompt_embedding_model()
+    return model_id
 
 
 def export_npz(model: Any, path: str | os.PathLike[str]) -> Path:

@@ -42,8 +42,8 @@ def parse_encoder(spec: str, seed: int) -> TextEncoder:
         name, _, weights = rest.partition(":")
         return OpenCLIPTextEncoder(name, pretrained=weights or None, seed=seed)
     if kind == "ultralytics" and rest.count(":") >= 1:
-        base, size, *weights = rest.split(":", 2)
-        return UltralyticsTextEncoder(f"{base}:{size}", weights=weights[0] if weights else None)
+        base, size, *file = rest.split(":", 2)
+        return UltralyticsTextEncoder(f"{base}:{size}", weights=file[0] if file else None)
     raise InvalidInputError(f"encoder is open_clip:MODEL[:WEIGHTS] or ultralytics:mobileclip:blt[:WEIGHTS], got {spec!r}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from abc import abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -77,6 +78,7 @@ class _BatchedEncoder:
         live = self._live_identity()
         return fp if live == self._built else f"{fp}:live:{live}"
 
+    @abstractmethod  # every subclass names its source (not an ABC: marks it for the type checker only)
     def _source_fingerprint(self) -> str: ...
 
     def _weights_file(self) -> Path | None:

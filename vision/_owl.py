@@ -185,5 +185,6 @@ def owl_detect(model: Any, processor: Any, queries: Sequence[str], *, images: An
     from transformers.models.owlvit.modeling_owlvit import OwlViTObjectDetectionOutput
 
     cls = Owlv2ObjectDetectionOutput if extra else OwlViTObjectDetectionOutput
+    # ignore[arg-type]: transformers types these outputs' fields without None, though each defaults to None
     return cls(image_embeds=feature_map, text_embeds=query, pred_boxes=boxes, logits=logits, class_embeds=class_embeds,
-               text_model_output=None, vision_model_output=vision_outputs, **extra)
+               text_model_output=None, vision_model_output=vision_outputs, **extra)  # type: ignore[arg-type]

@@ -75,7 +75,8 @@ def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, 
         raise InvalidInputError(f"promptstore.vision.pipeline serves {sorted(_TASKS)}, not {task!r}")
     from transformers import pipeline as transformers_pipeline
 
-    pipe = transformers_pipeline(task, model=model, **kwargs)
+    # ignore[call-overload]: transformers' overloads take Literal task names only; task is one of _TASKS (checked above)
+    pipe = transformers_pipeline(task, model=model, **kwargs)  # type: ignore[call-overload]
     family = getattr(pipe.model.config, "model_type", "")
     if family not in _TASKS[task]:
         raise UnsupportedModelError(f"{task}: the text side of {family!r} models is not served from the store "

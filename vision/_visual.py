@@ -145,4 +145,5 @@ def _compute(wrapper: Any, inner: Any, refer_image: Any, prompts: dict[str, Any]
     predictor.setup_model(model=inner, verbose=False)
     source = str(refer_image) if isinstance(refer_image, (str, os.PathLike)) else np.asarray(refer_image)
     vpe = predictor.get_vpe(source)
-    return vpe[0].detach().float().cpu().numpy()
+    out: np.ndarray = vpe[0].detach().float().cpu().numpy()
+    return out

@@ -290,7 +290,8 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
             part = missing[lo : lo + batch]
             checked = probe is not None and lo == 0
             t0 = time.perf_counter()
-            feats = model.encode_text(tokenizer([probe[0], *part] if checked else part).to(device), normalize=True).cpu()
+            feats = model.encode_text(tokenizer([probe[0], *part] if checked and probe is not None else part).to(device),
+                                      normalize=True).cpu()
             each = (time.perf_counter() - t0) / (len(part) + checked)
             if feats.dtype != dtype or feats.shape[1:] != (dim,):
                 bar.close()
