@@ -39,6 +39,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     reset_memos()
 
 
+@pytest.fixture
+def store(tmp_path: Path):
+    """A store in a fresh folder with a small memory tier (suites that need another size define their own)."""
+    from promptstore import PromptStore
+
+    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
+        yield s
+
+
 class FakeClock:
     """A wall clock the test moves by hand."""
 

@@ -14,7 +14,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
@@ -23,26 +22,14 @@ from promptstore.llm._chunks import CHUNK_KIND, GUARD_EXACT_ABOVE, GUARD_FALL, G
 
 import llm_zoo
 from conftest import run_python
+from models import full_logits, tiny_llama
 
 ATOL = 1e-4
 
 
-def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **overrides)
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_model()
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
+    return tiny_llama()
 
 
 def segments(vocab: int, seed: int, sizes=(37, 50, 23, 41)) -> tuple[list[int], list[list[int]], list[int]]:
@@ -56,11 +43,6 @@ def segments(vocab: int, seed: int, sizes=(37, 50, 23, 41)) -> tuple[list[int], 
 def kv_of(out):
     """The cache a forward returned (transformers 5.24 calls it ``cache``, earlier ones ``past_key_values``)."""
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-
-
-def full_logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.as_tensor([ids], device=model.device)).logits[0, -1]
 
 
 def run_orders(model, store, recompute, select, vocab, seed=0):
@@ -114,7 +96,7 @@ def test_recompute_all_equals_a_full_prefill_across_architectures(model_type, st
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_both_attention_kernels_take_the_recompute_mask(impl, store):
-    model = tiny_model(attn_implementation=impl)
+    model = tiny_llama(attn_implementation=impl)
     _, diffs = run_orders(model, store, 1.0, "recent", 500, seed=2)
     assert max(diffs) <= ATOL
 
@@ -199,13 +181,13 @@ def test_models_whose_positions_cannot_move_are_refused_before_anything_is_store
 
 
 def test_length_dependent_rope_is_refused(store):
-    model = tiny_model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    model = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(UnsupportedModelError):
         ChunkCache(model, store=store)
 
 
 def test_flash_style_kernels_without_a_mask_are_refused(store):
-    model = tiny_model()
+    model = tiny_llama()
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(UnsupportedModelError, match="sdpa"):
         ChunkCache(model, store=store)
@@ -254,10 +236,11 @@ def test_a_fresh_process_serves_the_stored_passages(tmp_path):
     code = """
     import sys, json, torch, numpy as np
     sys.path.insert(0, sys.argv[2])
-    from test_chunks import tiny_model, segments, full_logits
+    from test_chunks import segments
+    from models import full_logits, tiny_llama
     from promptstore import PromptStore
     from promptstore.llm import ChunkCache
-    model = tiny_model()
+    model = tiny_llama()
     anchor, passages, question = segments(500, 7)
     cc = ChunkCache(model, store=PromptStore(sys.argv[1]), recompute=float(sys.argv[3]))
     order = [int(c) for c in sys.argv[4]]
@@ -280,7 +263,7 @@ def test_a_fresh_process_serves_the_stored_passages(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
 def test_gpu_passages_move_and_recompute_exactly(tmp_path):
     with torch.device("cuda"):
-        model = tiny_model()
+        model = tiny_llama()
     anchor, passages, question = segments(500, 8)
     segs = [anchor, passages[2], passages[0], passages[3], passages[1], question]
     ids = [t for s in segs for t in s]
@@ -299,7 +282,7 @@ def test_gpu_passages_move_and_recompute_exactly(tmp_path):
 
 def test_an_edited_weight_never_serves_a_stored_passage(tmp_path):
     """The exact case (one passage right after the anchor) before and after an in-place edit through .data."""
-    model = tiny_model(seed=3)
+    model = tiny_llama(seed=3)
     anchor, passages, question = segments(500, 9)
     segs = [anchor, passages[0], question]
     with PromptStore(tmp_path / "s") as s:
@@ -398,7 +381,7 @@ def attention_ranking(model, segs, n_candidates_from: int) -> np.ndarray:
 @pytest.mark.parametrize(("recompute", "seed"), [(0.25, 22), (0.1, 27)])
 def test_the_query_selection_recomputes_the_tokens_the_question_attends_to_most(store, recompute, seed):
     """The oracle is transformers' own eager attention probabilities of the question over the stitched KV."""
-    model = tiny_model(attn_implementation="eager")
+    model = tiny_llama(attn_implementation="eager")
     anchor, passages, question = segments(500, seed)
     segs = [anchor, *passages, question]
     cc = ChunkCache(model, store=store, recompute=recompute, select="query")
@@ -540,7 +523,7 @@ def test_anchor_and_passage_boundaries_are_part_of_the_passage_key(tiny, store):
 
 def test_a_bfloat16_model_serves_its_stored_passages(store):
     """The host path converts stored bfloat16 KV into the buffers (they are viewed as int16)."""
-    model = tiny_model(seed=4).to(torch.bfloat16)
+    model = tiny_llama(seed=4).to(torch.bfloat16)
     anchor, passages, question = segments(500, 25)
     cc = ChunkCache(model, store=store, recompute=0.0)
     segs = [anchor, passages[0], passages[1], question]
@@ -553,11 +536,11 @@ def test_a_bfloat16_model_serves_its_stored_passages(store):
 @pytest.mark.parametrize(("recompute", "want"), [(0.0, 0), (0.001, 0), (1 / 114 * 1.2, 1)])
 def test_a_budget_that_rounds_to_no_token_or_one_recomputes_that_many(store, recompute, want):
     """The second request runs its question, plus what the budget rounds to (114 moved tokens here), plus the check of its exact prefix."""
-    from counting import Counting
-
     from promptstore.llm._verify import VERIFY_POSITIONS
 
-    model = tiny_model(seed=7)
+    from counting import Counting
+
+    model = tiny_llama(seed=7)
     counter = Counting(model.get_input_embeddings())
     anchor, passages, question = segments(500, 29)
     for select, question_runs in (("recent", 1), ("query", 2 if want else 1)):  # "query" runs the question first
@@ -602,7 +585,7 @@ def test_a_stored_passage_costs_the_time_its_forward_took(tiny, store, monkeypat
 def test_the_query_selection_leaves_the_models_identity_as_it_was(store):
     """Its pass reads each layer's input through hooks that live only for that pass (transformers'
     output_hidden_states installs recording hooks for good): the very next request is served."""
-    model = tiny_model(seed=7)
+    model = tiny_llama(seed=7)
     anchor, passages, question = segments(500, 29)
     cc = ChunkCache(model, store=store, recompute=0.05, select="query")
     before = cc.prefix.fingerprint
@@ -623,11 +606,11 @@ def test_the_move_check_is_stored_per_live_structure_and_frequencies(tmp_path, m
     real = chunks._check_moves
     monkeypatch.setattr(chunks, "_check_moves", lambda *a: (calls.append(1), real(*a))[1])
     store = PromptStore(tmp_path / "s", memory_bytes=0)
-    model = tiny_model()
+    model = tiny_llama()
     ChunkCache(model, store=store)
     assert len(calls) == 1
     ChunkCache(model, store=PromptStore(tmp_path / "s"))  # another store on the folder: as a fresh process
-    ChunkCache(tiny_model(seed=3), store=store)  # other weights, same architecture
+    ChunkCache(tiny_llama(seed=3), store=store)  # other weights, same architecture
     assert len(calls) == 1
     rotary = model.model.rotary_emb
     rotary.inv_freq.mul_(1.5)  # other frequencies, in place

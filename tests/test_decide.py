@@ -13,18 +13,13 @@ from promptstore.llm import PrefixCache
 from promptstore.llm._decide import DEFAULT_RHO, MIN_MEASURED_TOKENS, RATES_KIND, Rates, Work
 
 from conftest import run_python
-from test_llm import ATOL, full_logits, greedy, tiny_model
+from models import full_logits, greedy
+from test_llm import ATOL, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model()
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="256MiB") as s:
-        yield s
 
 
 def prompts(shared: int, total: int, seed: int = 0) -> tuple[list[int], list[int]]:

@@ -15,31 +15,17 @@ import types
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
-from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 from promptstore.llm import ChunkCache, PrefixCache
 
 from conftest import run_python
+from models import tiny_llama
 from transparency import assert_same, assert_transparent
 
 IDS = np.random.default_rng(7).integers(0, 500, 45).tolist()
 ATOL = 1e-4
-
-
-def tiny(seed: int = 0, **config) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(LlamaConfig(**{**cfg, **config})).eval()
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="256MiB") as s:
-        yield s
 
 
 def plain(model, ids=IDS):
@@ -96,7 +82,7 @@ SETTINGS = {"norm_eps": _set_eps, "attention_scaling": _set_scaling, "rotary_att
 
 @pytest.mark.parametrize("change", list(SETTINGS))
 def test_a_changed_plain_setting_misses_and_equals_a_recompute(store, change):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     before = plain(model)
@@ -108,7 +94,7 @@ def test_a_changed_plain_setting_misses_and_equals_a_recompute(store, change):
 
 # -- hooks -------------------------------------------------------------------------------------
 def test_a_steering_hook_is_keyed_by_what_it_captures(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     base = pc.prefill(IDS)[1]
     vec = torch.randn(64) * 0.5
@@ -123,7 +109,7 @@ def test_a_steering_hook_is_keyed_by_what_it_captures(store):
 
 
 def test_pre_hooks_global_hooks_and_kwargs_hooks_are_keyed(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     h1 = model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: (args[0] * 1.5,))
@@ -145,7 +131,7 @@ def test_pre_hooks_global_hooks_and_kwargs_hooks_are_keyed(store):
 
 # -- live code -----------------------------------------------------------------------------
 def test_a_patched_class_method_misses(store, monkeypatch):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     original = modeling_llama.LlamaMLP.forward
@@ -154,7 +140,7 @@ def test_a_patched_class_method_misses(store, monkeypatch):
 
 
 def test_a_method_patched_onto_one_instance_misses(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     mlp = model.model.layers[0].mlp
@@ -163,7 +149,7 @@ def test_a_method_patched_onto_one_instance_misses(store):
 
 
 def test_a_patched_module_function_misses(store, monkeypatch):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     original = modeling_llama.apply_rotary_pos_emb
@@ -190,7 +176,7 @@ def test_a_registered_attention_function_registered_again_misses(store):
     AttentionInterface.register("ps_live_test", scaled)
     AttentionMaskInterface.register("ps_live_test", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     try:
-        model = tiny()
+        model = tiny_llama()
         model.set_attn_implementation("ps_live_test")
         pc = PrefixCache(model, None, store=store, block_tokens=8)
         pc.prefill(IDS)
@@ -203,7 +189,7 @@ def test_a_registered_attention_function_registered_again_misses(store):
 
 # -- training mode, adapters, packed weights ---------------------------------------------------------
 def test_training_mode_with_dropout_is_refused_before_anything_is_stored(store):
-    model = tiny(attention_dropout=0.2)
+    model = tiny_llama(attention_dropout=0.2)
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     model.train()
     with pytest.raises(UnsupportedModelError, match="training mode"):
@@ -216,7 +202,7 @@ def test_training_mode_with_dropout_is_refused_before_anything_is_stored(store):
 
 
 def test_training_mode_without_dropout_is_keyed_and_exact(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     model.train()
@@ -226,7 +212,7 @@ def test_training_mode_without_dropout_is_keyed_and_exact(store):
 @pytest.fixture
 def lora():
     peft = pytest.importorskip("peft")
-    base = tiny()
+    base = tiny_llama()
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_name="a")
     model.add_adapter("b", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(1)
@@ -249,8 +235,8 @@ def test_unmerged_lora_adapters_switched_live_never_cross(store, lora):
 
 
 def test_two_dynamically_quantized_models_never_share_entries(store):
-    qa = torch.ao.quantization.quantize_dynamic(tiny(seed=0), {torch.nn.Linear}, dtype=torch.qint8)
-    qb = torch.ao.quantization.quantize_dynamic(tiny(seed=0), {torch.nn.Linear}, dtype=torch.qint8)
+    qa = torch.ao.quantization.quantize_dynamic(tiny_llama(seed=0), {torch.nn.Linear}, dtype=torch.qint8)
+    qb = torch.ao.quantization.quantize_dynamic(tiny_llama(seed=0), {torch.nn.Linear}, dtype=torch.qint8)
     with torch.no_grad():  # same float embeddings; other packed weights
         qb.model.layers[0].mlp.down_proj.set_weight_bias(
             torch.quantize_per_tensor(torch.randn(64, 128) * 0.1, 0.01, 0, torch.qint8), None)
@@ -266,7 +252,7 @@ def test_two_dynamically_quantized_models_never_share_entries(store):
 
 # -- ambient torch state --------------------------------------------------------------------------
 def test_autocast_is_keyed_or_refused_and_never_served_to_fp32(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         try:
@@ -299,7 +285,7 @@ def test_a_sliding_window_set_on_a_live_model_is_rechecked(store):
 def test_generation_settings_prefixcache_cannot_serve_are_refused_before_any_work(store, how):
     from transformers import GenerationConfig
 
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     ids, kwargs = IDS, {"max_new_tokens": 3}
     if how == "model_config_beams":
@@ -321,7 +307,7 @@ def test_generation_settings_prefixcache_cannot_serve_are_refused_before_any_wor
 def test_generation_config_greedy_settings_are_resolved_and_exact(store):
     from transformers import GenerationConfig
 
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     config = GenerationConfig(max_new_tokens=6, do_sample=False)
     want = model.generate(torch.as_tensor([IDS]), attention_mask=torch.ones(1, len(IDS), dtype=torch.long),
@@ -332,7 +318,7 @@ def test_generation_config_greedy_settings_are_resolved_and_exact(store):
 
 # -- raw crashes -------------------------------------------------------------------------------------
 def test_a_lookup_made_under_inference_mode_continues_outside_it(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     with torch.inference_mode():
@@ -346,7 +332,7 @@ def test_a_lookup_made_under_inference_mode_continues_outside_it(store):
 
 
 def test_chunk_cache_blend_on_a_one_layer_model_is_exact_or_refused(store):
-    model = tiny(num_hidden_layers=1)
+    model = tiny_llama(num_hidden_layers=1)
     segs = [IDS[:6], IDS[6:20], IDS[20:36], IDS[36:]]
     try:
         cc = ChunkCache(model, None, store=store, recompute=1.0, select="blend")
@@ -443,7 +429,7 @@ def _patch_no_grad_partial(model, scale):
 def test_live_changes_found_by_review_miss_and_equal_a_recompute(store, monkeypatch, change):
     from transformers import modeling_layers
 
-    model = tiny()
+    model = tiny_llama()
     if change in ("super_forward_patched", "class_constant"):
         _with_extra(model, _Sub(64))
     if change == "no_grad_partial_forward":
@@ -483,7 +469,7 @@ def test_patched_cache_code_is_another_key(store, monkeypatch):
     internals, README: out of contract)."""
     from transformers import cache_utils
 
-    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    pc = PrefixCache(tiny_llama(), None, store=store, block_tokens=8)
     before = pc.fingerprint
     original = cache_utils.DynamicLayer.update
     monkeypatch.setattr(cache_utils.DynamicLayer, "update", lambda self, k, v, *a, **kw: original(self, k, v * 1.5, *a, **kw))
@@ -492,7 +478,7 @@ def test_patched_cache_code_is_another_key(store, monkeypatch):
 
 def test_a_torch_function_mode_is_keyed_by_its_fields(store):
     scale = _noisy_mode()
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     with scale(1.0):
         pc.prefill(IDS)
@@ -502,7 +488,7 @@ def test_a_torch_function_mode_is_keyed_by_its_fields(store):
 
 
 def test_torch_compile_is_refused_before_anything_is_stored(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     model.model.layers[0].mlp.compile(backend="eager")
     with pytest.raises(UnsupportedModelError, match="torch.compile"):
@@ -511,7 +497,7 @@ def test_torch_compile_is_refused_before_anything_is_stored(store):
 
 
 def test_chunk_cache_follows_rotary_frequencies_changed_live(store):
-    model = tiny()
+    model = tiny_llama()
     segs = [IDS[:6], IDS[6:20], IDS[20:36], IDS[36:]]
     cc = ChunkCache(model, None, store=store, recompute=1.0)
     cc.prefill(segs)
@@ -524,7 +510,7 @@ def test_chunk_cache_follows_rotary_frequencies_changed_live(store):
 
 
 def test_attention_implementation_switched_live_misses_and_equals_a_recompute(store):
-    model = tiny()
+    model = tiny_llama()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
     model.set_attn_implementation("eager")
@@ -644,7 +630,7 @@ def test_the_prefix_cache_fingerprint_follows_its_tokenizer(store):
     from tokenizers import models
 
     tok = _fast_tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    pc = PrefixCache(tiny(), tok, store=store, block_tokens=8)
+    pc = PrefixCache(tiny_llama(), tok, store=store, block_tokens=8)
     before = pc.fingerprint
     tok.backend_tokenizer.model.unk_token = "b"
     assert pc.fingerprint != before
@@ -736,7 +722,7 @@ def test_a_tokenizer_identity_does_not_keep_the_tokenizer_alive():
 def test_autocast_is_refused_before_anything_is_stored(store):
     from promptstore._live import autocast_active
 
-    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    pc = PrefixCache(tiny_llama(), None, store=store, block_tokens=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_active(torch, "cpu") == "torch.bfloat16"
         with pytest.raises(UnsupportedModelError, match="autocast"):
@@ -752,7 +738,7 @@ def test_the_cache_classes_restored_caches_run_are_keyed(store, monkeypatch, pat
 
     from promptstore.llm._buffers import reserved_layer_classes
 
-    pc = PrefixCache(tiny(), None, store=store, block_tokens=8)
+    pc = PrefixCache(tiny_llama(), None, store=store, block_tokens=8)
     before = pc.fingerprint
     if patched == "DynamicCache.__init__":
         original = cache_utils.DynamicCache.__init__
@@ -784,7 +770,7 @@ def test_classes_identity_follows_init_and_call(monkeypatch):
 
 def test_a_numpy_array_on_the_forward_path_is_refused(store):
     """An array's values cannot be read through its fields: refused, never keyed by its type alone."""
-    model = tiny()
+    model = tiny_llama()
     model.model.layers[0].mlp.table = np.ones(3)
     with pytest.raises(UnsupportedModelError, match="table"):
         PrefixCache(model, None, store=store, block_tokens=8).prefill(IDS)
@@ -803,7 +789,7 @@ def test_code_compiled_under_a_non_python_file_name_is_named_by_its_code(store, 
         exec(compile(source, str(notebook), "exec"), namespace)
         return types.MethodType(namespace["forward"], mlp)
 
-    model = tiny()
+    model = tiny_llama()
     mlp = model.model.layers[0].mlp
     mlp.forward = cell("*")
     pc = PrefixCache(model, None, store=store, block_tokens=8)
@@ -927,14 +913,14 @@ def test_refuse_random_names_a_training_dropout_and_passes_in_eval():
 def test_describe_lines_show_what_changed_between_two_calls():
     from promptstore._live import describe_lines, module_identity
 
-    model = tiny()
+    model = tiny_llama()
     before = describe_lines(model)
     assert before and all(isinstance(line, str) for line in before)
     model.model.norm.variance_epsilon = 0.5
     after = describe_lines(model)
     changed = [line for line in after if line not in before]
     assert changed and any("0.5" in line for line in changed)
-    assert module_identity(model) != module_identity(tiny())
+    assert module_identity(model) != module_identity(tiny_llama())
 
 
 # -- identity details found by mutation testing, second pass ----------------------------------------------
@@ -1062,7 +1048,7 @@ class _Rounding:
 def test_a_hook_objects_dtype_field_is_keyed(store):
     """Plain objects keep every field (only a transformers config leaves out where it came from, its
     ``dtype`` among them): a hook's ``dtype`` edited in place is another key."""
-    model = tiny()
+    model = tiny_llama()
     rounding = _Rounding(torch.float32)
     model.model.layers[1].mlp.register_forward_hook(rounding)
     pc = PrefixCache(model, None, store=store, block_tokens=8)
@@ -1084,7 +1070,7 @@ def _gained_mlp_forward(self, x):
 def test_a_module_global_that_patched_code_reads_is_keyed(store, monkeypatch):
     import sys
 
-    model = tiny()
+    model = tiny_llama()
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _gained_mlp_forward)
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(IDS)
@@ -1138,7 +1124,7 @@ def test_torchscript_functions_are_keyed_by_their_code(monkeypatch):
         assert module_identity(holder) != before
     del holder.act
 
-    model = tiny()
+    model = tiny_llama()
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _scripted_forward)
     before = module_identity(model)
     monkeypatch.setattr(sys.modules[__name__], "_SCRIPTED", half)
@@ -1200,7 +1186,7 @@ NUMPY_GENERATORS = {"default_rng": lambda: np.random.default_rng(0), "bit_genera
 def test_a_numpy_generator_is_refused_as_random(store, kind):
     """Whatever its class (found by mutation testing: a subclass was keyed by its empty fields, and one
     draw would have been stored for good)."""
-    model = tiny()
+    model = tiny_llama()
     model.model.layers[0].mlp.rng = NUMPY_GENERATORS[kind]()
     with pytest.raises(UnsupportedModelError, match="random generator"):
         PrefixCache(model, None, store=store, block_tokens=8).prefill(IDS)
@@ -1212,7 +1198,7 @@ def test_a_refusal_inside_a_function_attribute_names_where_it_is():
     from promptstore._live import module_identity
 
     table = np.ones(3)
-    model = tiny()
+    model = tiny_llama()
     model.model.layers[0].mlp.scale = lambda x: x * table[0]
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp\.scale<table>"):
         module_identity(model)
@@ -1230,7 +1216,7 @@ class _BoundScale(torch.nn.Module):
 
 
 def test_a_builtin_bound_to_a_tensor_is_keyed_by_that_tensor(store):
-    model = tiny()
+    model = tiny_llama()
     scale = torch.full((64,), 1.5)
     model.model.layers[1].mlp = _BoundScale(model.model.layers[1].mlp, scale.mul)
     pc = PrefixCache(model, None, store=store, block_tokens=8)

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
@@ -21,12 +20,6 @@ from transparency import assert_same, assert_transparent
 
 WINDOW = 12
 ATOL = 1e-4
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
 
 
 def _small(**extra):

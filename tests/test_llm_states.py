@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
 
@@ -27,12 +26,6 @@ from transparency import assert_same, assert_transparent
 
 ATOL = 1e-4
 HYBRIDS = ["qwen3_next", "jamba", "nemotron_h", "lfm3", "falcon_h1"]  # DeltaNet; Mamba; cache-less layers; sliding; state and KV in one layer
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,6 @@ FAST = {
 }
 
 
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
-
-
 @pytest.mark.parametrize("model_type", sorted(FAST))
 def test_zoo_subset(model_type, store):
     model, why = build(model_type)

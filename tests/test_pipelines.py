@@ -24,12 +24,12 @@ from transformers import (
     CLIPModel,
     MetaClip2Config,
     MetaClip2Model,
+    Owlv2Config,
     Owlv2ForObjectDetection,
     Owlv2ImageProcessor,
+    OwlViTConfig,
     OwlViTForObjectDetection,
     OwlViTImageProcessor,
-    Owlv2Config,
-    OwlViTConfig,
     Siglip2Config,
     Siglip2ImageProcessor,
     Siglip2Model,
@@ -58,12 +58,6 @@ def tokenizers(tmp_path_factory):
     long = clip_tokenizer_in(tmp_path_factory.mktemp("tok64"))
     long.model_max_length = 64
     return {"classify": long, "detect": clip_tokenizer_in(tmp_path_factory.mktemp("tok16"))}
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
 
 
 def classifier(family: str, seed: int = 0):
@@ -233,8 +227,14 @@ def grounding(tmp_path_factory=None, seed: int = 0):
     a BERT tokenizer over a few words."""
     import tempfile
 
-    from transformers import BertConfig, BertTokenizer, GroundingDinoConfig, GroundingDinoForObjectDetection
-    from transformers import GroundingDinoImageProcessor, SwinConfig
+    from transformers import (
+        BertConfig,
+        BertTokenizer,
+        GroundingDinoConfig,
+        GroundingDinoForObjectDetection,
+        GroundingDinoImageProcessor,
+        SwinConfig,
+    )
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "a", "forklift", "pallet", "person", "in", "hard", "hat",
              "cardboard", "box", "truck"]

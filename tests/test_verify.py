@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import promptstore.llm._prefix as prefix_module
 from promptstore import PromptStore
@@ -30,23 +30,14 @@ from promptstore.llm import ChunkCache, PrefixCache
 from promptstore.llm._verify import TOLERANCE, VERIFY_POSITIONS, check_positions
 
 from conftest import run_python
+from models import tiny_llama
 
 IDS = np.random.default_rng(11).integers(0, 500, 70).tolist()
 ATOL = 1e-4
 
 
 def tiny(seed: int = 0, attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
+    return tiny_llama(seed, attn=attn)
 
 
 def plain(model, ids=IDS):
@@ -451,8 +442,9 @@ CHECKED_FAMILIES = ["deepseek_v3", "falcon", "gemma", "gemma2", "gpt2", "gpt_oss
 @pytest.mark.parametrize("model_type", CHECKED_FAMILIES)
 def test_unchanged_models_pass_their_check(model_type, dtype, store):
     """The zoo's short-then-long requests, block-boundary lengths and divergences: every hit checked, none refuted."""
-    import llm_zoo
     from promptstore.errors import UnsupportedModelError
+
+    import llm_zoo
 
     model, why = llm_zoo.build(model_type)
     assert model is not None, why

@@ -50,12 +50,6 @@ def encoder():
     return OpenCLIPTextEncoder("MobileCLIP2-B", seed=0)
 
 
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
-
-
 def stand_in_text_model(encoder, path: Path) -> Path:
     """A TorchScript text encoder traced here from the open_clip tower: it stands in for ultralytics' mobileclip_blt.ts."""
     import warnings

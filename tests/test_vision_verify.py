@@ -23,7 +23,6 @@ from ultralytics import YOLOE
 
 import promptstore.vision._owl as owl_module
 import promptstore.vision._zeroshot as zeroshot_module
-from promptstore import PromptStore
 from promptstore.errors import PromptStoreWarning
 from promptstore.vision import OpenCLIPTextEncoder, owl_detect, set_classes
 from promptstore.vision._verify import FEATURE_TOLERANCE, feature_error
@@ -32,12 +31,6 @@ from test_owl import QUERIES, build, clip_tokenizer, images, plain  # noqa: F401
 
 CLASSES = list(IMAGENET_CLASSNAMES[:6])
 TEMPLATES = list(OPENAI_IMAGENET_TEMPLATES[:3])
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="64MiB") as s:
-        yield s
 
 
 @pytest.fixture
