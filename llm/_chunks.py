@@ -39,6 +39,7 @@ PrefixCache's exact key space.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -527,8 +528,11 @@ class ChunkCache:
             # Each decoder layer's input, read by pre-hooks that live only for this pass: transformers'
             # output_hidden_states installs recording hooks for good, which would change the model's
             # live identity (and so every key) after the first such request.
+            owner = threading.get_ident()
+
             def keep(_module: Any, args: Any, kwargs: Any) -> None:
-                inputs.append(args[0] if args else kwargs["hidden_states"])
+                if threading.get_ident() == owner:  # not a forward another thread runs meanwhile
+                    inputs.append(args[0] if args else kwargs["hidden_states"])
 
             handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in _query_parts(self.model)[0]]
         try:

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +63,23 @@ TAIL_KIND = "llm.kv.tail"  # the key space of partial blocks (stored with kind l
 # worst regret over two workloads (RAG documents, a shared system prompt) and two state models.
 STATE_EVERY_TOKENS = 256
 _KV_DTYPES = {None: None, "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The lock every request through a cache on ``model`` holds, whichever cache it goes through.
+
+    A request attaches hooks to the model for one forward (the hit's check, ChunkCache's query
+    reads) and reads its live identity: two requests on one model at once would see each other's.
+    """
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
 
 
 def _dtype_name(dtype: Any) -> str | None:
@@ -114,9 +132,11 @@ class PrefixCache:
             model's measured rates (see _decide.py: a small share of a long prompt is
             recomputed; ``stats`` counts it as ``declined``). ``"always"``: any stored prefix.
 
-    One instance serves one request at a time: calls from several threads wait for each other
-    (a lock), each answered as if alone. A forward already uses every core on a CPU; for parallel
-    serving, use several instances (each its own buffers) or an engine (the vLLM connector).
+    Requests on one model run one at a time: calls from several threads, through this cache or
+    any other PrefixCache or ChunkCache on the same model, wait for each other (a lock per model),
+    each answered as if alone. A forward already uses every core on a CPU; for parallel serving,
+    use an engine (the vLLM connector). The model's own calls in other threads (a plain
+    ``model.generate`` beside a cached one) are not held up, and not changed.
 
     Raises:
         InvalidInputError: bad block size or kv_dtype.
@@ -156,8 +176,9 @@ class PrefixCache:
         self._rates: Rates | None = None  # this setting's measured forward rates: reuse or recompute
         self._root: bytes | None = None  # this request's root key (the weights as they are now)
         self._parted = 0  # this request's longest stored KV prefix (see _lookup)
-        # Requests share the per-request fields above and the host buffers: one runs at a time, others wait.
-        self._serving = threading.RLock()
+        # Requests share the per-request fields above, the host buffers and the model's hooks: one request
+        # on this model runs at a time, through this cache or any other, and the others wait.
+        self._serving = model_lock(model)
         self._refresh_layout()  # refuse an unsupported model before anything is looked up or stored
 
     # -- identity -------------------------------------------------------------------------

@@ -399,8 +399,8 @@ class InForward:
         return (), kwargs
 
     def _after(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
-        if self.verdict is not None or not self._u:
-            return None
+        if self.verdict is not None or not self._u or kwargs.get(self.cache_arg) is not self.cache:
+            return None  # another forward of the model (another thread's own call) while the check waits
         import torch
 
         k, u, n = len(self.at), self._u, self.n

@@ -21,6 +21,7 @@ from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit'
 
 from conftest import run_python
 from counting import Counting
+from models import full_logits, greedy, tiny_llama
 
 ATOL = 1e-4
 
@@ -32,10 +33,7 @@ def smol(tmp_path_factory):
 
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(seed)
     TokenCounter(model)  # counted from the start: the counting hook is part of the model's identity
     return model
 
@@ -43,24 +41,6 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
 @pytest.fixture
 def tiny():
     return tiny_model()
-
-
-@pytest.fixture
-def store(tmp_path):
-    with PromptStore(tmp_path / "store", memory_bytes="256MiB", disk_bytes="2GiB") as s:
-        yield s
-
-
-def full_logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.as_tensor([list(ids)])).logits[0, -1]
-
-
-def greedy(model, ids, n=32) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.as_tensor([list(ids)]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0].tolist()
 
 
 class TokenCounter(Counting):
@@ -771,8 +751,10 @@ def test_a_request_returns_before_its_blocks_are_written_and_the_next_finds_them
 
 
 def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
-    """One PrefixCache, four threads at once, each asking the same and different prompts (a stored prefix
-    and fresh ones): requests run one at a time (a lock), and every answer equals the plain model's."""
+    """One PrefixCache and a ChunkCache on the same model, four threads at once, each asking the same and
+    different prompts (a stored prefix and fresh ones), and a fifth calling the plain model meanwhile:
+    requests on the model run one at a time (a lock per model), and every answer, the plain calls' too,
+    equals what the model gives alone."""
     from promptstore.llm import ChunkCache
 
     rng = np.random.default_rng(7)
@@ -785,7 +767,7 @@ def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
     pc.prefill(shared)
     got: list[tuple[int, str, object]] = []
     errors: list[BaseException] = []
-    start = threading.Barrier(4)
+    start = threading.Barrier(5)
 
     def work(t: int) -> None:
         try:
@@ -800,13 +782,21 @@ def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    def plain() -> None:  # the model's own calls, not through a cache, beside the cached ones
+        try:
+            start.wait()
+            for r in range(6):
+                got.append((r % len(prompts), "tokens", greedy(tiny, prompts[r % len(prompts)], 8)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)] + [threading.Thread(target=plain)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     assert not errors, errors
-    assert len(got) == 16
+    assert len(got) == 16 + 6
     for i, kind, value in got:
         if kind == "tokens":
             assert value == want[i]
