@@ -565,12 +565,13 @@ def report(groups: list[Group]) -> float:
     return score
 
 
-README = REPO / "README.md"
+# The results block lives in the documentation (docs/development.md, "Mutation testing").
+RESULTS_PAGE = REPO / "docs" / "development.md"
 MARKERS = ("<!-- mutation-results -->", "<!-- /mutation-results -->")
 
 
 def markdown(groups: list[Group]) -> str:
-    """The results block of README's Development section: scores, then every equivalent mutant with its reason."""
+    """The results block of docs/development.md: scores, then every equivalent mutant with its reason."""
     rows, listed, left = [], [], []
     for group in groups:
         equivalent = equivalent_now(group)
@@ -587,23 +588,25 @@ def markdown(groups: list[Group]) -> str:
         left += [f"- `{n}` ({t.tested[n]})" for n in t.left]
     out = [MARKERS[0], "", "| group (sample) | mutants | equivalent | not tested yet | caught | score [95% interval] "
            "| every mutant tested on this code |", "|---|---|---|---|---|---|---|", *rows, ""]
-    out += [f"<details><summary>Surviving mutants not yet triaged ({len(left)})</summary>", "", *left, "", "</details>", ""]
-    out += [f"<details><summary>Equivalent mutants and why ({len(listed)})</summary>", "", *listed, "", "</details>", "",
+    # markdown="1": mkdocs renders the lists inside (md_in_html); GitHub ignores the attribute
+    out += [f"<details markdown=\"1\"><summary>Surviving mutants not yet triaged ({len(left)})</summary>", "", *left, "", "</details>", ""]
+    out += [f"<details markdown=\"1\"><summary>Equivalent mutants and why ({len(listed)})</summary>", "", *listed, "", "</details>", "",
             MARKERS[1]]
     return "\n".join(out)
 
 
-def update_readme(groups: list[Group]) -> None:
-    text = README.read_text()
+def update_docs(groups: list[Group]) -> None:
+    text = RESULTS_PAGE.read_text()
     start, end = text.index(MARKERS[0]), text.index(MARKERS[1]) + len(MARKERS[1])
-    README.write_text(text[:start] + markdown(groups) + text[end:])
+    RESULTS_PAGE.write_text(text[:start] + markdown(groups) + text[end:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("groups", nargs="*", help=f"groups to run (default: all): {', '.join(BY_NAME)}")
     parser.add_argument("--report", action="store_true", help="only print the last runs' results")
-    parser.add_argument("--readme", action="store_true", help="write the results into README.md's Development section")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help="write the results into docs/development.md (Mutation testing)")
     parser.add_argument("--recheck-equivalent", action="store_true",
                         help=f"also run the mutants listed in {EQUIVALENT.name} (skipped by default: they survive)")
     parser.add_argument("--all", action="store_true", help="every mutant, not a sample")
@@ -629,8 +632,8 @@ def main() -> None:
             if run(group, args.recheck_equivalent, args.survivors, args.resume) not in (0,):
                 print(f"mutmut did not finish group {group.name}", file=sys.stderr)
     report(groups)
-    if args.readme:
-        update_readme(GROUPS)
+    if args.docs:
+        update_docs(GROUPS)
 
 
 if __name__ == "__main__":
