@@ -89,6 +89,7 @@ class _Stop(Exception):
 
 class _Stats(Counts):
     FIELDS = ("queried", "served", "recomputed", "computed", "requests")
+    recomputed: int  # moved tokens recomputed (set in __init__ by name, as Counts' fields)
 
     def __init__(self) -> None:
         super().__init__()
@@ -153,6 +154,7 @@ class ChunkCache:
         self.recompute, self.select = float(recompute), select
         self.max_kl = None if max_kl is None else float(max_kl)
         self._checked: Any = None  # the live model signature the move check last passed for
+        self._inv_freq: Any = None  # the rotary frequencies that check read
         self._check_model()
         self._last, self._total = _Stats(), _Stats()
 
@@ -495,7 +497,8 @@ class ChunkCache:
         old = buffers[1][1, 0][:, torch.as_tensor(candidates, device=buffers[1].device)].float()
         with torch.no_grad():
             fresh = self._pass(ids, buffers, candidates, int(candidates[-1]) + 1, record_layer=1)
-        return ((fresh.float() - old) ** 2).sum(dim=(0, 2)).cpu().numpy()
+        out: np.ndarray = ((fresh.float() - old) ** 2).sum(dim=(0, 2)).cpu().numpy()
+        return out
 
     def _pass(self, ids: np.ndarray, buffers: tuple[Any, Any], run: np.ndarray, n_kv: int,
               record_layer: int | None = None, hidden: bool = False) -> Any:
@@ -760,7 +763,7 @@ def _scatter_layer_class() -> Any:
 
     class _ScatterLayer(DynamicLayer):
         def __init__(self, kbuf: Any, vbuf: Any, n: int, at: Any, record: list[Any] | None) -> None:
-            super().__init__()
+            super().__init__()  # type: ignore[no-untyped-call]
             self.lazy_initialization(kbuf, vbuf)
             self._kbuf, self._vbuf, self._n, self._at, self._record = kbuf, vbuf, n, at, record
             self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]

@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -301,7 +301,8 @@ class PrefixCache:
         vocab = vocab_size(self.model)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidInputError(f"token ids must lie in [0, {vocab}) for this model, got {int(ids.min())}..{int(ids.max())}")
-        return ids.astype(np.int64)
+        out: np.ndarray = ids.astype(np.int64)
+        return out
 
     def _prompt_ids(self, prompt: Any) -> np.ndarray:
         if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)):
@@ -443,7 +444,7 @@ class PrefixCache:
 
     def _bound(self) -> float:
         dtype = str(self._get_layout()[4]).replace("torch.", "")
-        return tolerance(*{_KV_DTYPES.get(dtype, "BF16"), _KV_DTYPES[self.kv_dtype]} - {None})
+        return tolerance(*{d for d in (_KV_DTYPES.get(dtype, "BF16"), _KV_DTYPES[self.kv_dtype]) if d is not None})
 
     def _judged(self, verdict: Verdict | None) -> bool:
         """Count a check's verdict, confirm or refute the request's root key by it; whether the hit stands."""
@@ -490,12 +491,12 @@ class PrefixCache:
             # like this prompt, serves every token the two share (one index lookup).
             tail = self.store.get(self._tail_key(keys[blocks - 1] if blocks else None, int(ids[n_cached])), kind=KIND)
             shared = self._shared(tail, ids[n_cached:usable]) if tail is not None else 0
-            if shared and "full" in tail.meta:
+            if shared and tail is not None and "full" in tail.meta:
                 # A pointer to a full block that this prompt leaves part-way: read that block.
                 key = chain_keys(keys[blocks - 1] if blocks else self._request_root(), tail.tensors["tokens"],
                                  self.block_tokens)[0]
                 shared = shared if self._read_blocks([key], buffers, usable, first=blocks) == 1 else 0
-            elif shared:
+            elif shared and tail is not None:
                 self._copy_tail(buffers, tail, n_cached, shared)
             n_cached += shared
         return n_cached
@@ -564,6 +565,8 @@ class PrefixCache:
                     or v.shape != (layers, heads, r, v_dim)
                     or tail.dtypes["k"] != tail.dtypes["v"] or tail.dtypes["k"] not in _STORED_DTYPES):
                 return 0
+        if tokens is None:
+            return 0
         n = min(r, len(ids))
         differ = np.flatnonzero(tokens[:n].astype(np.int64) != ids[:n])
         return int(differ[0]) if differ.size else n
@@ -633,7 +636,7 @@ class PrefixCache:
                     if stream is None:
                         stream = local.stream = torch.cuda.Stream(device=buffers[0].device)
                     with torch.cuda.stream(stream):
-                        for full, stage in zip(buffers, slot, strict=True):
+                        for full, stage in zip(buffers, cast(Any, slot), strict=True):
                             full[:, 0, :, lo:hi, :].copy_(stage[:, :, : hi - lo, :], non_blocking=True)
                         event = torch.cuda.Event()
                         event.record(stream)

@@ -406,12 +406,13 @@ class InForward:
         k, u, n = len(self.at), self._u, self.n
         at = torch.as_tensor(self.at)
         found = []
-        for i, layer in enumerate(self.cache.layers):
+        cache: Any = self.cache
+        for i, layer in enumerate(cache.layers):
             fresh_k, fresh_v = layer._kbuf[:, :, n + u : n + u + k], layer._vbuf[:, :, n + u : n + u + k]
             found.append((i, layer._kbuf[:, :, at], layer._vbuf[:, :, at], fresh_k, fresh_v))
             layer.keys, layer.values = layer._kbuf[:, :, : n + u], layer._vbuf[:, :, : n + u]
             layer._n = n + u
-        self.verdict = _verdict(found, len(self.cache.layers), len(self.at), self.bound)
+        self.verdict = _verdict(found, len(cache.layers), len(self.at), self.bound)
         logits = getattr(output, "logits", None)
         if logits is not None and logits.shape[1] >= k + 1:
             output.logits = logits[:, -(k + 1) : -k]
