@@ -16,7 +16,7 @@ WHEELS ?= $(HOME)/.cache/promptstore/wheels/$(shell (uname -m; grep -m1 '^flags'
 LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_WHEELS := $(WHEELS)/llama-avx2
 
-.PHONY: demo test test-long bench mutation clean redis-server llamacpp-wheel vllm-venv
+.PHONY: demo test test-long docs bench mutation clean redis-server llamacpp-wheel vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,23 +75,29 @@ redis-server:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server redis-tools >/dev/null; } || { \
 	  echo "redis-server and redis-cli are needed by the tests: install them (Debian/Ubuntu: apt-get install redis-server redis-tools)"; exit 1; }
 
-# The type checker first (strict on the core, which ships py.typed), then the suite.
+# The type checker first (strict on the core, which ships py.typed), then the documentation site (--strict: a
+# broken link or an unreadable docstring fails), then the suite (tests/test_docs.py runs the docs' Python blocks).
 test: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 	$(PY) -m mypy
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 	PROMPTSTORE_REQUIRE_LLAMACPP=1 PROMPTSTORE_REQUIRE_VLLM=1 PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
 
 test-long: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 	PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -m "slow or not slow"
+
+# The documentation site (mkdocs.yml, docs/) into site/.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
 bench: $(VENV)/.installed redis-server
 	$(PY) bench/run_all.py $(if $(LLAMA_CPP),--llama-cpp,)
 
 # Mutation testing of the modules where a wrong key or reuse would be silent (not in CI: see
-# README's Development section). `make mutation GROUPS="core llm"` runs some groups only.
+# docs/development.md). `make mutation GROUPS="core llm"` runs some groups only.
 mutation: $(VENV)/.installed
 	$(PIP) install -e ".[mutation]"
 	$(PY) tools/mutation.py $(GROUPS)
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis bench/out .demo-store
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .hypothesis bench/out .demo-store
