@@ -11,10 +11,15 @@ Two things the site needs that live outside docs/:
   nothing here.
 - BENCHMARKS.md stays where ``make bench`` writes it, at the repository root; the site shows it as
   the page benchmark-tables.md, with the plots it links to (bench/plots/).
+
+And one for the docstrings: they cross-reference in Sphinx's roles (:class:`~promptstore.PromptStore`),
+which mkdocstrings' Markdown leaves as text before the code span; the API pages show the code span alone,
+shortened after a ``~`` as Sphinx shows it.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -57,3 +62,10 @@ def on_files(files: Files, config: Any) -> Files:
     for plot in sorted((ROOT / "bench" / "plots").glob("*.png")):
         files.append(File.generated(config, f"bench/plots/{plot.name}", abs_src_path=str(plot)))
     return files
+
+
+_ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):<code>(~?)([^<]*)</code>")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    return _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html)
