@@ -46,7 +46,10 @@ def _lay_out_package() -> None:
     dirs = _package_dirs()
     shutil.rmtree(API_SRC, ignore_errors=True)
     top = API_SRC / "promptstore"
-    skip = shutil.ignore_patterns("__pycache__")
+    def skip(folder: str, names: list[str]) -> set[str]:  # sources only: no caches (a .mypy_cache is 100+ MB)
+        return {n for n in names if n.startswith((".", "__pycache__"))
+                or (not n.endswith((".py", ".pyi")) and not (Path(folder) / n).is_dir())}
+
     shutil.copytree(dirs.pop("promptstore"), top, ignore=skip)
     for name, folder in dirs.items():
         shutil.copytree(folder, top / name.split(".", 1)[1], ignore=skip)
