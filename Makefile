@@ -79,7 +79,7 @@ redis-server:
 # broken link or an unreadable docstring fails), then the suite (tests/test_docs.py runs the docs' Python blocks).
 test: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 	$(PY) -m mypy
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 	PROMPTSTORE_REQUIRE_LLAMACPP=1 PROMPTSTORE_REQUIRE_VLLM=1 PROMPTSTORE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest
 
 test-long: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
