@@ -50,10 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from sybil import Document
-from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, FencedCodeBlockLexer
 
-from redis_server import RedisClusterServers, RedisServer
+pytest.importorskip("sybil", reason='needs the docs extra: pip install "promptstore[docs]" (make test installs it)')
+from sybil import Document  # noqa: E402
+from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, FencedCodeBlockLexer  # noqa: E402
+
+from redis_server import RedisClusterServers, RedisServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
