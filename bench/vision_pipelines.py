@@ -65,7 +65,10 @@ def build(family: str, folder: str):
 
         tokenizer = clip_tokenizer_in(folder)
         tokenizer.model_max_length = 77
+        # transformers' Swin backbone returns channels first, so the layer norms the timm
+        # backbone's (channels-last) maps get are left out: a few thousand operations of a call's billions.
         config = OmDetTurboConfig(use_timm_backbone=False, backbone=None, text_config=CLIPTextConfig(),
+                                  apply_layernorm_after_vision_backbone=False,
                                   backbone_config=SwinConfig(embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
                                                              out_indices=[2, 3, 4]))
         processor = OmDetTurboProcessor(image_processor=DetrImageProcessor(size={"height": 640, "width": 640}),
