@@ -17,16 +17,15 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chunk_quality import build_prompts  # noqa: E402
+if TYPE_CHECKING:
+    import torch
 
-from promptstore import PromptStore  # noqa: E402
-from promptstore.llm import ChunkCache, load_model  # noqa: E402
-from promptstore.llm._chunks import GUARD_EXACT_ABOVE, GUARD_FALL, GUARD_SAFETY  # noqa: E402
+# torch, the model and the library are imported where a probe runs: bench/report.py imports simulate()
+# and tail() to build its tables from the recorded JSON without them.
 
 BUDGETS = (0.0, 0.1, 0.2, 0.4, 0.8)
 
@@ -80,6 +79,8 @@ def tail(steps: list[float], first_ratio: float = 1.0) -> float:
 
 
 def report(paths: list[Path]) -> None:
+    from promptstore.llm._chunks import GUARD_EXACT_ABOVE, GUARD_FALL, GUARD_SAFETY
+
     for path in paths:
         data = json.loads(path.read_text())
         rows = data["prompts"]
@@ -117,6 +118,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args()
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from chunk_quality import build_prompts
+
+    from promptstore import PromptStore
+    from promptstore.llm import ChunkCache, load_model
+
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m-instruct")
     prompts = build_prompts(tok, args.set, args.prompts, args.passages, args.tokens)
