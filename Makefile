@@ -89,7 +89,8 @@ test-long: $(VENV)/.installed $(VENV)/.llamacpp-avx2 redis-server vllm-venv
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# Every benchmark, then BENCHMARKS.md; `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
+# Every benchmark into bench/out/, then BENCHMARKS.md from bench/results/ (docs/benchmarks.md: adding a run);
+# `make bench LLAMA_CPP=1` also builds and measures llama-cpp-python.
 bench: $(VENV)/.installed redis-server
 	$(PY) bench/run_all.py $(if $(LLAMA_CPP),--llama-cpp,)
 

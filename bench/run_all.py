@@ -1,6 +1,9 @@
-"""Run every benchmark in one go, then write BENCHMARKS.md (what `make bench` does).
+"""Run every benchmark in one go into bench/out/, then rebuild BENCHMARKS.md (what `make bench` does).
 
     python bench/run_all.py [--llama-cpp] [--quick]
+
+BENCHMARKS.md is built from the committed results in bench/results/ only: this run's files reach it once
+moved there under dated names and named in bench/report.py's RESULTS (docs/benchmarks.md, "Adding a run").
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def main() -> None:
     run("bench/vision_bench.py", *(["--only", "COCO", "--repeats", "3"] if q else []))
     run("bench/scaling_bench.py", "--max-entries", "10000" if q else "1000000")
     run("bench/report.py")
+    out = sorted((BENCH / "out").glob("*.json"))
+    print("\nThis run's results, not yet in BENCHMARKS.md (copy them into bench/results/ under dated names and point "
+          "bench/report.py's RESULTS at them; docs/benchmarks.md, \"Adding a run\"):")
+    print("\n".join(f"  {p.relative_to(BENCH.parent)}" for p in out) or "  (none)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Two things the site needs that live outside docs/:
   mkdocstrings as its search path. Copies, not symlinks: griffe resolves a symlinked file to its
   real folder and would find promptstore/ alone again. Rebuilt every time, so a new module needs
   nothing here.
-- BENCHMARKS.md stays where ``make bench`` writes it, at the repository root; the site shows it as
-  the page benchmark-tables.md, with the plots it links to (bench/plots/).
+- BENCHMARKS.md stays where ``bench/report.py`` writes it, at the repository root; the site shows it
+  as the page benchmark-tables.md, with the plots it links to (bench/plots/).
 
 And one for the docstrings: they cross-reference in Sphinx's roles (:class:`~promptstore.PromptStore`),
 which mkdocstrings' Markdown leaves as text before the code span; the API pages show the code span alone,
