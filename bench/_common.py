@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +26,22 @@ def ttft_parser(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def commit() -> str | None:
+    """The checkout's commit, "+changes" appended where tracked files differ from it (None outside a git
+    checkout): bench/report.py stamps each section with it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if changed else "")
+
+
 def machine() -> dict:
-    """Cores, CPU model, memory, Python and (if importable) torch versions."""
+    """Cores, CPU model, memory, Python and (if importable) torch versions, and the checkout's commit."""
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -40,7 +55,7 @@ def machine() -> dict:
     except (ValueError, OSError):
         mem_gib = float("nan")
     info = {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_gib, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(), "commit": commit()}
     try:
         import torch
 
