@@ -40,6 +40,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "llama_cpp": ("llama_cpp_2k_2026-12-02b.json", "llama_cpp_8k_2026-12-02b.json"),
     "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
                                "llama_cpp_8k_2026-12-02.json"),
+    "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-03.json",),
     "identity_cost": ("identity_cost_2026-12-01.json",),
     "llm_families": ("llm_families_2026-12-02.json",),
     "state_every": ("state_every_2026-12-01.json",),
@@ -511,6 +512,8 @@ def llama_section() -> tuple[Lines, Headline]:
                      "stored", "**LlamaCppCache (disk) first** / steady", "stored", "LlamaCppCache (Redis) first / steady",
                      "first vs LlamaDiskCache's (first / steady)", "bytes vs LlamaDiskCache's"], "r" * 11, rows), ""]
     lines += llama_copied_reads_section()
+    never_lines, never_head = llama_never_slower_section()
+    lines += never_lines
     toks = " / ".join(f"{n:,}" for n, _, _ in ratios)
     head: Headline = [
         (f"`LlamaCppCache`'s first request >= 2x faster than llama-cpp-python's `LlamaDiskCache`, {toks} tokens",
@@ -518,7 +521,7 @@ def llama_section() -> tuple[Lines, Headline]:
          + ")", min(a for _, a, _ in ratios) >= 2.0, LLAMA_TITLE),
         (f"`LlamaCppCache` stores at most a tenth of `LlamaDiskCache`'s bytes, {toks} tokens",
          " / ".join(f"{s:.2f}x" for s in sizes), max(sizes) <= 0.1, LLAMA_TITLE)]
-    return lines, head
+    return lines, head + never_head
 
 
 def llama_copied_reads_section() -> Lines:
@@ -547,6 +550,52 @@ def llama_copied_reads_section() -> Lines:
             "tokens in two runs, 8,000 tokens with one repeat.", "",
             *table(["results file", "prompt tokens", "LlamaDiskCache first / steady", "LlamaCppCache (disk) first / steady",
                     "first vs LlamaDiskCache's", "LlamaCppCache (Redis) first / steady"], "lrrrrr", rows), ""]
+
+
+LLAMA_NEVER_TITLE = '`LlamaCppCache` never slower than no cache (reuse="auto")'
+
+
+def llama_never_slower_section() -> tuple[Lines, Headline]:
+    names = RESULTS["llamacpp_never_slower"]
+    run = load(names[0])
+    rows = run["rows"]
+    n = run["repeats"]
+    out = []
+    for r in rows:
+        restore = "-" if r["restore_s_per_mb"] is None else f"{1e-3 / r['restore_s_per_mb']:.1f} GB/s"
+        out.append(["on" if r["logits_all"] else "off", f"{r['tokens']:,}", f"{r['shared_share']}%", sec(r["plain_s"]),
+                    f"{r['auto_ratio']:.2f}x", f"{r['auto_hits']} of {n}", str(r["auto_declined"]),
+                    f"{r['always_ratio']:.2f}x", f"{r['always_hits']} of {n}", f"{r['spread_plain'] * 100:.0f}%",
+                    restore, "yes" if r["greedy_text_equal"] else "no"])
+    lengths = sorted({r["tokens"] for r in rows})
+    shares = sorted({r["shared_share"] for r in rows})
+    same = all(r["auto_hits"] == r["always_hits"] for r in rows)
+    lines = [f"### {LLAMA_NEVER_TITLE}", "", *stamp(names),
+             f"`python bench/llamacpp_never_slower.py --fractions {' '.join(str(f) for f in shares)}`: "
+             "SmolLM2-135M-Instruct's GGUF through llama-cpp-python, 2 threads, one warm process, with `logits_all` off "
+             "and on (on: every state carries every prompt token's scores). Per setting a store holds one state: a "
+             f"{lengths[0]:,}-token document and its answer, stored by an untimed request. Each timed prompt shares its "
+             "first share of tokens with that document, then goes on with text of its own; the context is reset before "
+             "every request, so only the store can serve. Timed: `create_completion` with 8 new tokens without a "
+             "cache, with `LlamaCppCache(reuse=\"auto\")` (the default) and with `reuse=\"always\"`, "
+             f"{n} repeats in rotating order, the store flushed after the clock stops; ratios are medians of the cached "
+             "times over the median of the plain ones. \"plain spread\": (slowest - fastest) / median of the plain "
+             "requests; \"restore\": the restore rate `auto`'s cache had measured by the end of the row (the median "
+             "of its restores so far). "
+             + ("`auto` and `always` restored as many requests as each other in every row." if same else
+                "`auto` and `always` did not restore as many requests as each other in every row.")
+             + " Greedy texts equal the plain ones in "
+             + ("every row." if all(r["greedy_text_equal"] for r in rows) else "not every row."), "",
+             *table(["`logits_all`", "tokens", "shared", "plain", "auto", "auto: restored", "auto: declined", "always",
+                     "always: restored", "plain spread", "restore", "greedy text equal"], "lrrrrrrrrrrl", out), ""]
+    worst = max(rows, key=lambda r: r["auto_ratio"])
+    head: Headline = [
+        (f'`LlamaCppCache(reuse="auto")` never slower than no cache (every ratio <= 1.0x), {lengths[0]:,} tokens, '
+         + " / ".join(str(s) for s in shares) + "% shared, `logits_all` off and on",
+         f"at most {worst['auto_ratio']:.2f}x (`logits_all` {'on' if worst['logits_all'] else 'off'}, "
+         f"{worst['shared_share']}% shared, {worst['auto_hits']} of {n} restored)", worst["auto_ratio"] <= 1.0,
+         LLAMA_NEVER_TITLE)]
+    return lines, head
 
 
 IDENTITY_TITLE = "Live identity cost"
