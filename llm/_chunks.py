@@ -39,8 +39,10 @@ PrefixCache's exact key space.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +81,11 @@ GUARD_EXACT_ABOVE = 0.5
 # the chat set's work from 1.59-1.70 to 1.10-1.11 x the moved tokens; plain: 0.47 / 1.04 / 1.24 to
 # 0.51 / 1.09 / 1.18; violations 0-2.5% on both.
 GUARD_FALL = 4.0
+# The guard's own cost: the requests it tried lately (accepted or not, and how long each part took), so
+# that where trying keeps ending in the exact prefill, a request goes straight to it (never slower than
+# a plain prefill by more than a probe now and then). GUARD_PROBE_EVERY: how often it tries anyway.
+GUARD_HISTORY = 8
+GUARD_PROBE_EVERY = 8
 _SHIFT = 37  # how far the model check moves a probe passage
 SERVED, STORED, COMPUTED = 0, 1, 2
 
@@ -157,6 +164,7 @@ class ChunkCache:
         self._inv_freq: Any = None  # the rotary frequencies that check read
         self._check_model()
         self._last, self._total = _Stats(), _Stats()
+        self._guard = _GuardCost()
 
     def _check_model(self) -> None:
         """The checks of a model whose passages can move, again whenever its live identity moved.
@@ -287,18 +295,23 @@ class ChunkCache:
         total = sum(len(m) for m in moved)
         partial = 0 < int(round(self.recompute * total)) < total
         stale = hidden = None
-        if moved and base.size and ((self.select == "query" and partial) or self.max_kl is not None):
+        # Where trying the guard's budgets has lately cost more than it saved, the exact prefill at once.
+        t0 = time.perf_counter()  # the guard's try starts with the question's pass over the stitched KV
+        direct = bool(moved) and self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying()
+        if moved and base.size and not direct and ((self.select == "query" and partial) or self.max_kl is not None):
             # The question over the stitched KV as it is: the guard's first point, and the queries
             # the "query" selection ranks moved tokens by.
             with torch.no_grad():
                 stale, hidden = self._pass(ids, buffers, base, stop, hidden=self.select == "query")
         ranked = self._query_ranking(hidden, buffers, base, moved, stop) if hidden is not None else None
-        if self.select == "blend" and moved and (partial or (self.max_kl is not None and self.recompute < 1.0)):
+        if self.select == "blend" and moved and not direct and (partial or (self.max_kl is not None and self.recompute < 1.0)):
             # Ranked once, on the KV as stored: the guard's larger budgets take the next tokens of that order.
             candidates = np.concatenate(moved)
             ranked = candidates[np.argsort(-self._deviation(ids, buffers, candidates), kind="stable")]
         fraction = self.recompute
         estimate = None
+        if direct:
+            fraction, estimate = 1.0, 0.0
         if moved and fraction >= 1.0:
             chosen = np.concatenate(moved)
             logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
@@ -317,7 +330,9 @@ class ChunkCache:
                 fraction = 1.0 if hopeless else _doubled(fraction)
                 if fraction >= 1.0:
                     chosen, estimate = np.concatenate(moved), 0.0
+                    t_exact = time.perf_counter()
                     logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
+                    self._guard.tried(False, t_exact - t0, time.perf_counter() - t_exact)
                     break
                 more = np.union1d(chosen, self._choose(ids, buffers, moved, fraction, ranked)).astype(np.int64)
                 if more.size == chosen.size:
@@ -325,6 +340,11 @@ class ChunkCache:
                 chosen = more
                 previous, logits = logits, self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
                 estimate = 0.0 if chosen.size >= total else GUARD_SAFETY * _kl(logits, previous)
+        if self.max_kl is not None and moved and self.recompute < 1.0:
+            if direct:
+                self._guard.went_exact(time.perf_counter() - t0)
+            elif fraction < 1.0:
+                self._guard.tried(True, time.perf_counter() - t0, None)
         last = self._last = _Stats()
         last.queried, last.requests = len(ids), 1
         last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
@@ -611,6 +631,46 @@ class ChunkCache:
         (stored KV of moved passages computed again); ``computed`` (no stored KV: the anchor's and new
         passages' first computation, the question). ``served + recomputed + computed == queried``."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
+
+
+class _GuardCost:
+    """Whether trying the guard's budgets is expected to beat the exact prefill, from the last requests.
+
+    A try costs what it ran before it was accepted, or that plus the exact prefill when it was not;
+    going straight to the exact prefill costs the prefill. With ``p`` the share of tries accepted,
+    trying pays while ``p * (exact - accepted) > (1 - p) * failed``. Until a few tries are known it
+    tries, and while it does not, every ``GUARD_PROBE_EVERY``-th request tries anyway (the prompts may
+    have changed). Per ChunkCache, in this process.
+    """
+
+    def __init__(self) -> None:
+        self.outcomes: deque[tuple[bool, float, float | None]] = deque(maxlen=GUARD_HISTORY)
+        self.exact: deque[float] = deque(maxlen=GUARD_HISTORY)  # seconds of exact prefills, either way
+        self._since_try = 0
+
+    def worth_trying(self) -> bool:
+        if len(self.outcomes) < 3 or not self.exact:
+            return True
+        accepted = [s for ok, s, _ in self.outcomes if ok]
+        failed = [s for ok, s, _ in self.outcomes if not ok]
+        p = len(accepted) / len(self.outcomes)
+        exact = statistics.median(self.exact)
+        gain = p * (exact - statistics.median(accepted)) if accepted else 0.0
+        loss = (1 - p) * statistics.median(failed) if failed else 0.0
+        if gain > loss or self._since_try + 1 >= GUARD_PROBE_EVERY:
+            self._since_try = 0
+            return True
+        self._since_try += 1
+        return False
+
+    def tried(self, accepted: bool, seconds: float, exact_s: float | None) -> None:
+        """A try was accepted after ``seconds``, or failed after ``seconds`` and then ran the exact prefill."""
+        self.outcomes.append((accepted, seconds, exact_s))
+        if exact_s is not None:
+            self.exact.append(exact_s)
+
+    def went_exact(self, seconds: float) -> None:
+        self.exact.append(seconds)
 
 
 def _doubled(fraction: float) -> float:

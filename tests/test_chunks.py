@@ -18,7 +18,15 @@ import torch
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 from promptstore.llm import ChunkCache, PrefixCache
-from promptstore.llm._chunks import CHUNK_KIND, GUARD_EXACT_ABOVE, GUARD_FALL, GUARD_SAFETY, _rotary_frequencies, _rotate
+from promptstore.llm._chunks import (
+    CHUNK_KIND,
+    GUARD_EXACT_ABOVE,
+    GUARD_FALL,
+    GUARD_PROBE_EVERY,
+    GUARD_SAFETY,
+    _rotary_frequencies,
+    _rotate,
+)
 
 import llm_zoo
 from conftest import run_python
@@ -497,6 +505,38 @@ def test_a_guard_from_no_recompute_tries_the_smallest_budget_first(tiny, store):
     cc.prefill(segs)
     last = cc.stats["last"]
     assert last["recomputed"] == round(0.05 * moved) and 0.0 < last["estimate"] <= 1e9
+
+
+def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_probes_now_and_then(tiny, store):
+    """Trying the budgets costs the question's pass and a repair pass before the exact prefill: where the last
+    tries all ended exact, a request runs the exact prefill at once (never slower than it by a try), trying
+    again every GUARD_PROBE_EVERY-th request; where tries are accepted, it keeps trying. Each answer equals
+    what its path gives: the exact ones a full prefill."""
+    anchor, passages, question = segments(500, 8)
+    ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])
+    orders = [[3, 1, 0, 2], [2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0, 3, 2]]
+    for bound, want in ((0.0, [True] * 3 + [False] * (GUARD_PROBE_EVERY - 1) + [True, False]), (1e9, [True] * 5)):
+        cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound)
+        passes: list[str] = []
+        question_pass = cc._pass
+
+        def counted(*args, question_pass=question_pass, passes=passes, **kwargs):
+            passes.append("question")
+            return question_pass(*args, **kwargs)
+
+        cc._pass = counted
+        tried = []
+        for i in range(len(want)):
+            segs = [anchor, *[passages[j] for j in orders[i % len(orders)]], question]
+            passes.clear()
+            _, logits = cc.prefill(segs)
+            tried.append(bool(passes))  # a try starts with the question's pass over the stitched KV
+            if bound == 0.0:  # every request ends exact, tried or not
+                assert cc.stats["last"]["fraction"] == 1.0
+                assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+            else:
+                assert cc.stats["last"]["fraction"] < 1.0
+        assert tried == want, (bound, tried)
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
