@@ -961,7 +961,7 @@ def vllm_other_machine_section() -> tuple[Lines, Headline]:
                     f"{r['bytes_per_token'] / 1024:.1f} KiB" if "bytes_per_token" in r else "-",
                     "yes" if r["same_first_token"] else "no"])
     commands = "; ".join(
-        f"`python bench/vllm_bench.py --lengths 8000 --dtypes float32"
+        "`python bench/vllm_bench.py --lengths 8000 --dtypes float32"
         + (f" --lmcache-python PATH --skip-promptstore --out bench/results/{n}`" if "lmcache" in n else "`")
         for n in names)
     lines = [f"### {VLLM_OTHER_TITLE}", "", *stamp(names),
