@@ -41,6 +41,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
                                "llama_cpp_8k_2026-12-02.json"),
     "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-03.json",),
+    "chunk_guard_cost": ("chunk_quality_guard_chat_2026-12-04_before.json", "chunk_quality_guard_plain_2026-12-04_before.json",
+                         "chunk_quality_guard_chat_2026-12-04.json", "chunk_quality_guard_plain_2026-12-04.json"),
     "identity_cost": ("identity_cost_2026-12-01.json",),
     "llm_families": ("llm_families_2026-12-02.json",),
     "state_every": ("state_every_2026-12-01.json",),
@@ -76,6 +78,9 @@ STATED: dict[str, dict[str, str]] = {
                                            "note": "Its torch is the benchmark driver's and its vllm version vLLM's "
                                                    "venv's; the LMCache engines ran in a copy of vLLM's venv with "
                                                    "LMCache installed."},
+    "chunk_quality_guard_plain_2026-12-04_before.json": {
+        "note": "It ran the library as of 818a076 (the process imported it before 9a1b84a was committed); its commit "
+                "field was read when the file was written."},
     "vision_zeroshot_cuda.json": {"date": "the file was added to the repository on 2026-11-30, in 9c299f5"},
 }
 
@@ -1153,6 +1158,40 @@ def headline_section(rows: Headline) -> Lines:
                    [[g, m, met(ok), link(title)] for g, m, ok, title in rows]), ""]
 
 
+GUARD_COST_TITLE = "ChunkCache's guard against a full prefill, before and after it weighs its own cost"
+
+
+def chunk_guard_cost_section() -> tuple[Lines, Headline]:
+    names = RESULTS["chunk_guard_cost"]
+    runs = [(n, load(n)) for n in names]
+    rows = []
+    worst = None
+    for name, run in runs:
+        when = "before" if name.endswith("_before.json") else "after"
+        for label, r in run["results"].items():
+            rows.append([run["set"], when, label, f"{r['ttft_s'] * 1000:.0f} ms", sec(statistics.median(r["full_s"])
+                         if isinstance(r["full_s"], list) else r["full_s"]), f"{r['speedup']:.2f}x",
+                         f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-",
+                         f"{r['kl_mean']:.4f}"])
+            if when == "after" and r.get("max_kl") is not None and (worst is None or r["speedup"] < worst[2]):
+                worst = (run["set"], label, r["speedup"])
+    first = runs[0][1]
+    lines = [f"### {GUARD_COST_TITLE}", "", *stamp(names),
+             f"`python bench/chunk_quality.py --set chat|plain --prompts {first['prompts']} --greedy 0 --settings "
+             "\"query 10%\" \"guard 0.05 (query 10%+)\" \"guard 0.02 (query 10%+)\"`, one after the other, each set "
+             "before and after ChunkCache weighed the guard's tries against going straight to the exact prefill "
+             "(9a1b84a). One ChunkCache per setting serves the prompts in turn, so its record of tries builds up "
+             "within the run. TTFT and the full prefill are medians; \"vs full prefill\" is full / TTFT (above 1: faster).", "",
+             *table(["set", "guard cost weighed", "setting", "TTFT", "full prefill", "vs full prefill",
+                     "moved tokens recomputed", "mean KL"], "lllrrrrr", rows), ""]
+    head: Headline = []
+    if worst is not None:
+        head.append(("ChunkCache with its quality guard never slower than a full prefill (both prompt sets)",
+                      f"slowest guarded setting {worst[2]:.2f}x a full prefill's speed ({worst[0]}, {worst[1]})",
+                      worst[2] >= 1.0, GUARD_COST_TITLE))
+    return lines, head
+
+
 def build(plots: bool) -> str:
     if plots:
         PLOTS.mkdir(parents=True, exist_ok=True)
@@ -1173,6 +1212,7 @@ def build(plots: bool) -> str:
     add(families_section())
     add(state_every_section())
     add(chunk_section(plots))
+    add(chunk_guard_cost_section())
     add(vllm_section())
     add(zero_shot_section())
     add(pipelines_section())
