@@ -55,8 +55,14 @@ def _lay_out_package() -> None:
         shutil.copytree(folder, top / name.split(".", 1)[1], ignore=skip)
 
 
+# Laid out when mkdocs loads this file, before any plugin reads its configuration: mkdocstrings looks
+# its search paths up when its own on_config runs, which comes before this hook's, and a path that does
+# not exist yet is passed over (a fresh checkout then documented promptstore/ without its adapters).
+_lay_out_package()
+
+
 def on_config(config: Any) -> Any:
-    _lay_out_package()
+    _lay_out_package()  # again for `mkdocs serve`, which rebuilds without importing this file again
     return config
 
 
