@@ -278,6 +278,11 @@ class ChunkCache:
         start = max(n_exact, n_anchor)
         exact_to = start  # every position before it holds the KV a plain prefill computes
         placed = np.zeros(len(ids), bool)
+        # Where trying the guard's budgets has lately cost more than it saved, the exact prefill at once,
+        # decided before any moved passage is read: it recomputes them all (one not stored yet is still
+        # computed and stored where it belongs, for later requests).
+        t0 = time.perf_counter()  # the guard's try starts with the passages' reads
+        exact_now = self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying()
         moved = []  # positions of passages cached in another context than this prompt's
         ends = n_anchor + np.cumsum([len(p) for p in passages], dtype=np.int64)
         for i, passage in enumerate(passages):
@@ -285,7 +290,9 @@ class ChunkCache:
             if lo < start or hi > stop:
                 continue  # inside the exact prefix, or straddling it or the end: computed if not served
             placed[lo:hi] = True
-            if not self._place(anchor, passage, buffers, lo):
+            if exact_now and i and self._chunk_key(anchor, passage) in self.store:
+                pass  # recomputed by the exact prefill: its stored KV is not read
+            elif not self._place(anchor, passage, buffers, lo):
                 source[lo:hi] = STORED
             if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
                 moved.append(np.arange(lo, hi))
@@ -295,9 +302,7 @@ class ChunkCache:
         total = sum(len(m) for m in moved)
         partial = 0 < int(round(self.recompute * total)) < total
         stale = hidden = None
-        # Where trying the guard's budgets has lately cost more than it saved, the exact prefill at once.
-        t0 = time.perf_counter()  # the guard's try starts with the question's pass over the stitched KV
-        direct = bool(moved) and self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying()
+        direct = bool(moved) and exact_now
         if moved and base.size and not direct and ((self.select == "query" and partial) or self.max_kl is not None):
             # The question over the stitched KV as it is: the guard's first point, and the queries
             # the "query" selection ranks moved tokens by.
