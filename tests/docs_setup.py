@@ -68,26 +68,12 @@ def owlv2() -> tuple[Any, Any]:
 def omdet() -> tuple[Any, Any]:
     """(model, processor) of a small OmDet-Turbo: a Swin backbone and a CLIP text tower."""
     import torch
-    from transformers import (
-        CLIPTextConfig,
-        DetrImageProcessor,
-        OmDetTurboConfig,
-        OmDetTurboForObjectDetection,
-        OmDetTurboProcessor,
-        SwinConfig,
-    )
+    from transformers import DetrImageProcessor, OmDetTurboForObjectDetection, OmDetTurboProcessor
+
+    from models import tiny_omdet_config
 
     torch.manual_seed(0)
-    config = OmDetTurboConfig(
-        use_timm_backbone=False, backbone=None, apply_layernorm_after_vision_backbone=False,
-        backbone_config=SwinConfig(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], out_indices=[2, 3, 4],
-                                   window_size=7, image_size=224),
-        text_config=CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=49408, max_position_embeddings=77),
-        text_projection_in_dim=32, text_projection_out_dim=32, class_embed_dim=32, encoder_in_channels=[64, 128, 256],
-        vision_features_channels=[64, 64, 64], encoder_hidden_dim=64, decoder_hidden_dim=64, num_queries=20,
-        encoder_dim_feedforward=128, decoder_num_layers=2, encoder_layers=1, decoder_num_heads=4,
-        encoder_attention_heads=4)
+    config = tiny_omdet_config()
     processor = OmDetTurboProcessor(image_processor=DetrImageProcessor(size={"height": 224, "width": 224}),
                                     tokenizer=clip_tokenizer(77))
     return OmDetTurboForObjectDetection(config).eval(), processor

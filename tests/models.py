@@ -39,3 +39,21 @@ def greedy(model: Any, ids: Sequence[int], n: int = 32) -> list[int]:
         out = model.generate(torch.as_tensor([list(ids)]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, do_sample=False)
     return out[0].tolist()
+
+
+def tiny_omdet_config(**overrides: Any) -> Any:
+    """A small OmDet-Turbo config (transformers' Swin and CLIP text classes, random weights) that builds and runs
+    in a second: transformers' Swin returns channels first, so the layer norms for timm's maps are off."""
+    from transformers import CLIPTextConfig, OmDetTurboConfig, SwinConfig
+
+    return OmDetTurboConfig(
+        use_timm_backbone=False, backbone=None, apply_layernorm_after_vision_backbone=False,
+        backbone_config=SwinConfig(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], out_indices=[2, 3, 4],
+                                   window_size=7, image_size=224),
+        text_config=CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   vocab_size=49408, max_position_embeddings=77),
+        # the task features are the text tower's hidden states: class_embed_dim is its width
+        text_projection_in_dim=32, text_projection_out_dim=32, class_embed_dim=32, encoder_in_channels=[64, 128, 256],
+        vision_features_channels=[64, 64, 64], encoder_hidden_dim=64, decoder_hidden_dim=64, num_queries=20,
+        encoder_dim_feedforward=128, decoder_num_layers=2, encoder_layers=1, decoder_num_heads=4,
+        encoder_attention_heads=4, **overrides)

@@ -537,6 +537,14 @@ def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_
             else:
                 assert cc.stats["last"]["fraction"] < 1.0
         assert tried == want, (bound, tried)
+        if bound == 0.0:  # going straight to exact with a passage never stored: equal, and now stored
+            fresh = segments(500, 9)[1][0]
+            segs = [anchor, passages[2], fresh, passages[0], question]
+            passes.clear()
+            _, logits = cc.prefill(segs)
+            assert not passes and cc.stats["last"]["fraction"] == 1.0
+            assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+            assert cc._chunk_key(np.array(anchor), np.array(fresh)) in store
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):

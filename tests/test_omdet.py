@@ -16,12 +16,9 @@ import pytest
 import torch
 from PIL import Image
 from transformers import (
-    CLIPTextConfig,
     DetrImageProcessor,
-    OmDetTurboConfig,
     OmDetTurboForObjectDetection,
     OmDetTurboProcessor,
-    SwinConfig,
 )
 
 import promptstore.vision._omdet as omdet_module
@@ -30,6 +27,7 @@ from promptstore.errors import InvalidInputError, PromptStoreWarning
 from promptstore.vision import serve_omdet
 
 from counting import Counting
+from models import tiny_omdet_config
 from test_owl import clip_tokenizer_in
 
 CLASSES = ["forklift", "pallet", "person", "cardboard box", "ladder"]  # more than cache_size (3)
@@ -37,17 +35,7 @@ CLASSES = ["forklift", "pallet", "person", "cardboard box", "ladder"]  # more th
 
 def build(seed: int = 0) -> OmDetTurboForObjectDetection:
     torch.manual_seed(seed)
-    config = OmDetTurboConfig(
-        use_timm_backbone=False, backbone=None, apply_layernorm_after_vision_backbone=False,
-        backbone_config=SwinConfig(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], out_indices=[2, 3, 4],
-                                   window_size=7, image_size=224),
-        text_config=CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=49408, max_position_embeddings=77),
-        # the task features are the text tower's hidden states: class_embed_dim is its width
-        text_projection_in_dim=32, text_projection_out_dim=32, class_embed_dim=32, encoder_in_channels=[64, 128, 256],
-        vision_features_channels=[64, 64, 64], encoder_hidden_dim=64, decoder_hidden_dim=64, num_queries=20,
-        encoder_dim_feedforward=128, decoder_num_layers=2, encoder_layers=1, decoder_num_heads=4,
-        encoder_attention_heads=4, cache_size=3)
+    config = tiny_omdet_config(cache_size=3)
     model = OmDetTurboForObjectDetection(config).eval()
     Counting(model.language_backbone.model.embeddings)
     return model
