@@ -100,7 +100,7 @@ def main() -> None:
         with torch.no_grad():
             own = model(torch.tensor([ids[:served]], device=device), use_cache=True)
             own_cache = own.cache if getattr(own, "cache", None) is not None else own.past_key_values
-            arg = pc._cache_arg
+            arg = pc.engine.cache_arg
             split = model(torch.tensor([ids[served:]], device=device), use_cache=True, logits_to_keep=1,
                           **{arg: own_cache}).logits[0, -1]
         noise = (split.float() - ref.float()).abs().max().item()
@@ -111,7 +111,7 @@ def main() -> None:
 
         fp = timed(lambda: model_fingerprint(model), 3)
         print(f"  weights fingerprint on the device (every request): {fp * 1e3:.1f} ms", flush=True)
-        layers, heads, k_dim, v_dim, kv_dtype = pc._get_layout()
+        layers, heads, k_dim, v_dim, kv_dtype = pc.engine.layout()
         per_token = layers * heads * (k_dim + v_dim) * torch.empty(0, dtype=kv_dtype).element_size()
         for length in [256, 512] if args.smoke else args.lengths:
             doc = torch.randint(0, vocab, (length - 23,), generator=gen).tolist()

@@ -66,19 +66,17 @@ def llm(repeats: int) -> dict[str, float]:
         pc = PrefixCache(model, tokenizer, store=store)
 
         def request() -> None:  # what every prefill/generate does before its lookup
-            pc._new_request()
-            pc._request_root()
+            pc.engine.request().root
 
         out = {"per_request_ms": _median_ms(request, repeats)}
-        structure = pc._structure
-        assert structure is not None
+        structure = pc.engine.refresh()
         from promptstore import digest_tensors
 
         out["weights_digest_ms"] = _median_ms(lambda: digest_tensors("live", structure[1]), repeats)
         from promptstore.llm._fingerprint import ambient_fingerprint, cache_code_fingerprint, tokenizer_fingerprint
 
         def beyond_weights() -> None:  # the checks, the live structure, the tokenizer, ambient state, cache code
-            pc._refresh_layout()
+            pc.engine.refresh()
             tokenizer_fingerprint(tokenizer)
             ambient_fingerprint()
             cache_code_fingerprint()

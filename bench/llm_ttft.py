@@ -167,7 +167,7 @@ def child(args: argparse.Namespace) -> None:
             served = pc.stats["last"]["served"]
             first_phases = dict(phases)
             first_phases["forward"] = first_phases.get("forward", 0.0) + times[0] - sum(phases.values())
-    layers, heads, k_dim, v_dim, _ = pc._get_layout()
+    layers, heads, k_dim, v_dim, _ = pc.engine.layout()
     per_token = layers * heads * (k_dim + v_dim) * 4
     store.close()
     print(json.dumps({"first": times[0], "steady": times[1:], "questions": order, "logits": logits,

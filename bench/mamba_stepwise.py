@@ -57,7 +57,7 @@ else:
     out["stats"] = pc.stats["last"]
     if mode == "hit":
         out["diff"] = float((got - plain()).abs().max())
-    rates = pc._rates_here()
+    rates = pc.engine.rates()
     out["full_s_per_token"] = statistics.median(rates.samples["full"]) * rates.work(0, 1) if rates.samples["full"] else None
     out["step_s"] = statistics.median(rates.samples["step"]) if rates.samples["step"] else None
     store.close()

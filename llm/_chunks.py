@@ -53,8 +53,10 @@ from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, copy_block, host_view, kv_layers, make_cache
 from ._counts import Counts
+from ._engine import Engine
 from ._inputs import check_generation, check_lengths
 from ._prefix import PrefixCache
+from ._request import Request
 from ._verify import refuted
 
 __all__ = ["ChunkCache", "CHUNK_KIND", "SELECTIONS", "DEFAULT_RECOMPUTE", "DEFAULT_SELECT"]
@@ -157,6 +159,7 @@ class ChunkCache:
         if select == "query":
             _query_parts(model)  # refuse, before any work, a model whose queries cannot be read
         self.prefix = PrefixCache(model, tokenizer, store, block_tokens)
+        self.engine = self.prefix.engine  # its keys, block reads and writes, forwards (see _engine.py)
         self.model, self.tokenizer, self.store = model, tokenizer, self.prefix.store
         self.recompute, self.select = float(recompute), select
         self.max_kl = None if max_kl is None else float(max_kl)
@@ -174,7 +177,7 @@ class ChunkCache:
         """
         import torch
 
-        signature = self.prefix._layout[0] if self.prefix._layout is not None else None
+        signature = self.engine.signature
         # The rotation uses the live frequencies: read on every request (a few hundred bytes),
         # since the signature holds no tensor bytes.
         freqs = _rotary_frequencies(self.model)
@@ -184,11 +187,11 @@ class ChunkCache:
         if impl not in ("sdpa", "eager"):
             raise UnsupportedModelError(f"attn_implementation {impl!r} takes no custom attention mask, which recomputing "
                                         "tokens in place needs: load the model with attn_implementation='sdpa'")
-        if self.prefix._states():
+        if self.engine.states():
             raise UnsupportedModelError("ChunkCache does not serve models with linear-attention/SSM layers: a "
                                         "passage's running state depends on everything before it, so it cannot move; "
                                         "PrefixCache serves this model exactly")
-        if self.prefix._sliding():
+        if self.engine.sliding():
             # Its recompute pass hands attention a mask of its own over every token's KV, which
             # knows nothing of the window; PrefixCache serves these models exactly.
             raise UnsupportedModelError("ChunkCache does not serve sliding-window layers yet (its recompute mask "
@@ -209,7 +212,7 @@ class ChunkCache:
         import transformers
 
         if signature is None:  # no live structure read yet: nothing to name a verdict by
-            _check_moves(self.model, self._inv_freq, self.prefix)
+            _check_moves(self.model, self._inv_freq, self.engine)
             return
         freqs = self._inv_freq.detach().to("cpu", torch.float64).numpy().tobytes()
         key = self.store.key(MOVES_KIND, freqs, fingerprints=[repr(signature), f"shift={_SHIFT}",
@@ -218,7 +221,7 @@ class ChunkCache:
         if self.store.get(key, kind=MOVES_KIND) is not None:
             return
         t0 = time.perf_counter()
-        _check_moves(self.model, self._inv_freq, self.prefix)
+        _check_moves(self.model, self._inv_freq, self.engine)
         self.store.put(key, {"passed": np.ones(1, np.uint8)}, kind=MOVES_KIND, cost_s=time.perf_counter() - t0)
 
     # -- inputs ---------------------------------------------------------------------------
@@ -241,31 +244,31 @@ class ChunkCache:
             else:
                 ids = seg
             try:
-                out.append(self.prefix._ids(ids))
+                out.append(self.engine.token_ids(ids))
             except InvalidInputError as exc:
                 raise InvalidInputError(f"segment {i}: {exc}") from None
         return out
 
     # -- one request ----------------------------------------------------------------------
-    def _chunk_key(self, anchor: np.ndarray, passage: np.ndarray) -> bytes:
+    def _chunk_key(self, req: Request, anchor: np.ndarray, passage: np.ndarray) -> bytes:
         content = (np.array([len(anchor)], "<i8").tobytes() + anchor.astype("<i4").tobytes()
                    + passage.astype("<i4").tobytes())
-        return self.store.key(CHUNK_KIND, content, fingerprints=[self.prefix._request_root().hex()])
+        return self.store.key(CHUNK_KIND, content, fingerprints=[req.root.hex()])
 
     def _build(self, segs: list[np.ndarray], stop: int) -> tuple[Any, Any]:
         """KV for the prompt's first ``stop`` tokens in buffers, then the pass; (cache, last logits or None)."""
         import torch
 
-        pc = self.prefix
+        engine = self.engine
         ids = np.concatenate(segs)
         anchor, passages = segs[0], segs[1:-1]
         n_anchor = len(anchor)
-        pc._new_request()
+        req = engine.request()
         self._check_model()
         need = len(ids) + RESERVE_TOKENS
-        buffers = pc._allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
-        n_exact = pc._lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
-        if refuted(pc._request_root()) or (n_exact and not pc._verified(ids, buffers, n_exact)):
+        buffers = engine.allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        n_exact = req.lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
+        if refuted(req.root) or (n_exact and not req.verified(ids, buffers, n_exact)):
             return self._from_scratch(ids, stop)
         # Where each position's KV comes from: SERVED exactly, STORED passage KV, or COMPUTED now.
         source = np.full(len(ids), COMPUTED, np.int8)
@@ -273,8 +276,8 @@ class ChunkCache:
         if n_exact < n_anchor:
             # The anchor itself is exact: computed in place and stored as PrefixCache blocks.
             cache = make_cache(buffers, n_exact, self.model.config)
-            cache, _, seconds = pc._forward(ids, n_exact, n_anchor, cache)
-            pc._store_blocks(ids, cache, n_anchor, n_exact // pc.block_tokens, seconds / (n_anchor - n_exact))
+            cache, _, seconds = engine.forward(ids, n_exact, n_anchor, cache)
+            req.store_blocks(ids, cache, n_anchor, n_exact // engine.block_tokens, seconds / (n_anchor - n_exact))
         start = max(n_exact, n_anchor)
         exact_to = start  # every position before it holds the KV a plain prefill computes
         placed = np.zeros(len(ids), bool)
@@ -290,9 +293,9 @@ class ChunkCache:
             if lo < start or hi > stop:
                 continue  # inside the exact prefix, or straddling it or the end: computed if not served
             placed[lo:hi] = True
-            if exact_now and i and self._chunk_key(anchor, passage) in self.store:
+            if exact_now and i and self._chunk_key(req, anchor, passage) in self.store:
                 pass  # recomputed by the exact prefill: its stored KV is not read
-            elif not self._place(anchor, passage, buffers, lo):
+            elif not self._place(req, anchor, passage, buffers, lo):
                 source[lo:hi] = STORED
             if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
                 moved.append(np.arange(lo, hi))
@@ -367,19 +370,19 @@ class ChunkCache:
         the passage cached right after it), or over the whole prompt where serving those is not expected
         to pay (see _decide.py); never the slower scattered pass. Positions run are marked computed, but
         the ``moved`` passages' (counted as recomputed stored KV); returns the last scores."""
-        pc = self.prefix
-        start = exact if exact and (pc.reuse == "always" or pc._rates_here().reuse(exact, stop)) else 0
+        engine = self.engine
+        start = exact if exact and (engine.reuse == "always" or engine.rates().reuse(exact, stop)) else 0
         keep = source[moved] if moved.size else None
         source[start:] = COMPUTED
         if keep is not None:
             source[moved] = keep
         cache = make_cache(buffers, start, self.model.config)
-        _, out, _ = pc._forward(ids, start, stop, cache)
+        _, out, _ = engine.forward(ids, start, stop, cache)
         return out[0, -1]
 
     def _from_scratch(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
         """The prompt's first ``stop`` tokens in one plain forward, nothing read or stored: a refuted live state."""
-        cache, logits, _ = self.prefix._forward(ids, 0, stop, None)
+        cache, logits, _ = self.engine.forward(ids, 0, stop, None)
         last = self._last = _Stats()
         last.queried, last.requests, last.computed = len(ids), 1, len(ids)
         return cache, logits[0, -1]
@@ -393,20 +396,20 @@ class ChunkCache:
         if run[0] + run.size == stop:
             # Only the end of the prompt (nothing chosen before it): a plain forward, as PrefixCache runs it.
             cache = make_cache(buffers, int(run[0]), self.model.config)
-            _, out, _ = self.prefix._forward(ids, int(run[0]), stop, cache)
+            _, out, _ = self.engine.forward(ids, int(run[0]), stop, cache)
             return out[0, -1]
         with torch.no_grad():
             return self._pass(ids, buffers, run, stop)[0]
 
-    def _place(self, anchor: np.ndarray, passage: np.ndarray, buffers: tuple[Any, Any], lo: int) -> bool:
+    def _place(self, req: Request, anchor: np.ndarray, passage: np.ndarray, buffers: tuple[Any, Any], lo: int) -> bool:
         """Put a passage's stored KV (computed and stored on a miss) at ``lo``; True if it was computed."""
         import torch
 
-        key = self._chunk_key(anchor, passage)
+        key = self._chunk_key(req, anchor, passage)
         n, at = len(passage), len(anchor)
         k_buf, v_buf = buffers
         host = k_buf.device.type == "cpu"
-        layers, heads, k_dim, v_dim, _ = self.prefix._get_layout()
+        layers, heads, k_dim, v_dim, _ = self.engine.layout()
         want = {"k": (layers, heads, n, k_dim), "v": (layers, heads, n, v_dim)}
         entry = None
         if host:
@@ -430,7 +433,7 @@ class ChunkCache:
         computed = entry is None
         if computed:
             k, v, seconds = self._compute_chunk(buffers, at, passage)
-            self.store.put(key, {"k": self.prefix._to_stored(k), "v": self.prefix._to_stored(v)}, kind=CHUNK_KIND,
+            self.store.put(key, {"k": self.engine.to_stored(k), "v": self.engine.to_stored(v)}, kind=CHUNK_KIND,
                            cost_s=seconds, meta={"anchor": str(at), "tokens": str(n)})
             with torch.no_grad():
                 k_buf[:, 0, :, lo : lo + n, :] = k
@@ -450,9 +453,9 @@ class ChunkCache:
                 cache.update(buffers[0][i, :, :, :at].clone(), buffers[1][i, :, :, :at].clone(), i)
             t0 = time.perf_counter()
             out = self.model(torch.as_tensor(passage, device=self.model.device)[None], use_cache=True,
-                             **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
+                             **{self.engine.cache_arg: cache}, **self.engine.last_only)
             seconds = time.perf_counter() - t0
-            kv = kv_layers(self.prefix._output_cache(out))
+            kv = kv_layers(self.engine.output_cache(out))
             k = torch.stack([layer_k[0, :, at:, :] for layer_k, _ in kv])
             v = torch.stack([layer_v[0, :, at:, :] for _, layer_v in kv])
         return k, v, seconds
@@ -565,7 +568,7 @@ class ChunkCache:
             handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in _query_parts(self.model)[0]]
         try:
             out = self.model(torch.as_tensor(ids[run], device=device)[None], position_ids=at[None], attention_mask=mask,
-                             use_cache=True, **{self.prefix._cache_arg: cache}, **self.prefix._last_only)
+                             use_cache=True, **{self.engine.cache_arg: cache}, **self.engine.last_only)
         except _Stop:
             return recorded[0][0]
         finally:
@@ -588,7 +591,7 @@ class ChunkCache:
         Raises:
             InvalidInputError: fewer than two segments, an empty segment, bad token ids.
         """
-        with self.prefix._serving:  # one request at a time (see the class)
+        with self.engine.lock:  # one request at a time (see the class)
             segs = self._segments(segments)
             cache, logits = self._build(segs, sum(len(s) for s in segs))
             self._end()
@@ -603,7 +606,7 @@ class ChunkCache:
         Raises:
             InvalidInputError: bad segments, beams or several sequences, bad lengths.
         """
-        with self.prefix._serving:  # one request at a time (see the class)
+        with self.engine.lock:  # one request at a time (see the class)
             import torch
 
             segs = self._segments(segments)
@@ -622,7 +625,7 @@ class ChunkCache:
                 cache, _ = self._build(segs, len(ids))
                 cache.crop(-1)
             full = torch.as_tensor(ids, device=self.model.device)[None]
-            generate_kwargs[self.prefix._cache_arg] = cache
+            generate_kwargs[self.engine.cache_arg] = cache
             out = self.model.generate(full, attention_mask=torch.ones_like(full), **generate_kwargs)
             self._end()
             return out
@@ -782,7 +785,7 @@ def _rotate(k: Any, old: np.ndarray, new: np.ndarray, inv_freq: Any) -> None:
         k[..., half : 2 * half] = (x2 * cos + x1 * sin).to(k.dtype)
 
 
-def _check_moves(model: Any, inv_freq: Any, pc: PrefixCache) -> None:
+def _check_moves(model: Any, inv_freq: Any, engine: Engine) -> None:
     """Refuse a model whose KV does not move exactly with a rotation of its keys.
 
     The same tokens are run at positions 0.. and at 37..: with RoPE in transformers'
@@ -802,7 +805,7 @@ def _check_moves(model: Any, inv_freq: Any, pc: PrefixCache) -> None:
     with torch.no_grad():
         for start in (0, _SHIFT):
             out = model(probe, position_ids=torch.arange(start, start + 8, device=model.device)[None], use_cache=True)
-            runs.append(kv_layers(pc._output_cache(out)))
+            runs.append(kv_layers(engine.output_cache(out)))
     worst = 0.0
     exact = next(model.parameters()).dtype == torch.float32
     for (k0, v0), (k1, v1) in zip(*runs, strict=True):

@@ -544,13 +544,13 @@ def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_
             _, logits = cc.prefill(segs)
             assert not passes and cc.stats["last"]["fraction"] == 1.0
             assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
-            assert cc._chunk_key(np.array(anchor), np.array(fresh)) in store
+            assert cc._chunk_key(cc.engine.request(), np.array(anchor), np.array(fresh)) in store
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
     anchor, passages, question = segments(500, 23)
     cc = ChunkCache(tiny, store=store, recompute=1.0)
-    key = cc._chunk_key(np.array(anchor), np.array(passages[1]))
+    key = cc._chunk_key(cc.engine.request(), np.array(anchor), np.array(passages[1]))
     bad = np.zeros((3, 2, len(passages[1]) - 1, 16), np.float32)  # one token short
     store.put(key, {"k": bad, "v": bad}, kind=CHUNK_KIND)
     segs = [anchor, passages[0], passages[1], question]

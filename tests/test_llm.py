@@ -267,7 +267,7 @@ def test_padded_batch_is_refused(tiny, store):
 def test_block_of_the_wrong_shape_is_a_miss(tiny, store):
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     ids = list(range(50))
-    key = pc._block_keys(np.array(ids), 1)[0]
+    key = pc.engine.request().block_keys(np.array(ids), 1)[0]
     store.put(key, {"k": np.zeros((3, 2, 8, 16), np.float32), "v": np.zeros((3, 2, 8, 16), np.float32)}, kind="llm.kv")
     cache, n = pc.lookup(ids)
     assert (cache, n) == (None, 0)
@@ -513,7 +513,7 @@ def test_gpu_loads_through_pinned_slots_equal_a_recompute(tmp_path, dtype):
                 with torch.no_grad():
                     own = model(torch.tensor([doc], device="cuda"), use_cache=True)
                     cache = own.cache if getattr(own, "cache", None) is not None else own.past_key_values
-                    arg = pc._cache_arg
+                    arg = pc.engine.cache_arg
                     ref = model(torch.tensor([q], device="cuda"), use_cache=True, **{arg: cache}).logits[0, -1]
                 assert (logits.float() - ref.float()).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)
 
@@ -536,9 +536,9 @@ def test_a_stored_tail_of_another_shape_is_a_miss(tiny, store):
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     ids = np.random.default_rng(22).integers(0, 500, 30).tolist()
     pc.prefill(ids[:16] + [1])  # block 0
-    parent = pc._block_keys(np.array(ids), 1)[0]
+    parent = pc.engine.request().block_keys(np.array(ids), 1)[0]
     bad = np.zeros((3, 2, 10, 8), np.float32)  # head dim 8, not 16
-    store.put(pc._tail_key(parent, ids[16]), {"tokens": np.array(ids[16:26], np.int32), "k": bad, "v": bad},
+    store.put(pc.engine.request().tail_key(parent, ids[16]), {"tokens": np.array(ids[16:26], np.int32), "k": bad, "v": bad},
               kind="llm.kv", parent=parent)
     _, logits = pc.prefill(ids)
     assert pc.stats["last"]["served"] == 16
@@ -594,7 +594,7 @@ def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
     ids = np.random.default_rng(25).integers(0, 500, 30).tolist()
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     pc.prefill(ids[:16] + [1])  # block 0
-    parent = pc._block_keys(np.array(ids), 1)[0]
+    parent = pc.engine.request().block_keys(np.array(ids), 1)[0]
     good = np.zeros((3, 2, 10, 16), np.float32)
     tensors = {"tokens": np.array(ids[16:26], np.int32), "k": good, "v": good}
     if damage == "v-shape":
@@ -617,7 +617,7 @@ def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
         tensors, meta = {"tokens": np.array(ids[16:26], np.int32)}, {"full": "1"}
     elif damage == "dangling-pointer":  # a pointer to a block that is not stored
         tensors, meta = {"tokens": np.array(ids[16:30] + [7, 8], np.int32)}, {"full": "1"}
-    store.put(pc._tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent, meta=meta)
+    store.put(pc.engine.request().tail_key(parent, ids[16]), tensors, kind="llm.kv", parent=parent, meta=meta)
     _, logits = pc.prefill(ids)
     assert pc.stats["last"]["served"] == 16
     assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
@@ -627,7 +627,7 @@ def test_a_malformed_stored_tail_is_a_clean_miss(tiny, store, damage):
 def test_a_malformed_stored_block_is_a_clean_miss(tiny, store, damage):
     ids = list(range(50))
     pc = PrefixCache(tiny, store=store, block_tokens=16)
-    key = pc._block_keys(np.array(ids), 1)[0]
+    key = pc.engine.request().block_keys(np.array(ids), 1)[0]
     good = np.zeros((3, 2, 16, 16), np.float32)
     tensors = {"k": good, "v": good}
     if damage == "v-shape":
@@ -680,7 +680,7 @@ def test_a_shorter_request_keeps_the_longer_stored_tail(tiny, store):
     pc = PrefixCache(tiny, store=store, block_tokens=16)
     pc.prefill(doc)
     pc.prefill(doc[:40])  # its 8-token tail is the stored one's start
-    tail = store.get(pc._tail_key(pc._block_keys(np.array(doc), 2)[-1], doc[32]), kind="llm.kv")
+    tail = store.get(pc.engine.request().tail_key(pc.engine.request().block_keys(np.array(doc), 2)[-1], doc[32]), kind="llm.kv")
     assert tail.tensors["tokens"].tolist() == doc[32:]
     assert tail.tensors["tokens"].dtype == np.int32  # token ids as the block pointers hold them: 4 bytes each
     ids = doc + rng.integers(0, 500, 2).tolist()

@@ -169,7 +169,7 @@ def test_keys_and_values_of_different_widths_are_stored_apart_and_equal_a_recomp
     assert model is not None, why
     vocab = model.get_input_embeddings().num_embeddings
     pc = PrefixCache(model, None, store=store, block_tokens=8)
-    _, _, k_dim, v_dim, _ = pc._get_layout()
+    _, _, k_dim, v_dim, _ = pc.engine.layout()
     assert k_dim != v_dim  # what this test is for
     rng = np.random.default_rng(5)
     base = rng.integers(1, vocab, 45).tolist()

@@ -83,7 +83,7 @@ def test_generation_and_a_continued_chat_equal_a_recompute(name, models, store):
 
 
 def test_a_miss_stores_states_every_so_often_and_a_diverging_prompt_resumes_from_the_last(models, store, monkeypatch):
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
     model = models["qwen3_next"]
@@ -103,7 +103,7 @@ def test_a_miss_stores_states_every_so_often_and_a_diverging_prompt_resumes_from
 def test_a_hit_stores_the_state_where_its_prompt_parts_so_the_next_one_resumes_there(name, models, store, monkeypatch):
     """A shared system prompt, then requests of their own: the first hit resumes at the last stored state before
     the shared part's end and stores one there; every later request resumes at the end of the shared part."""
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
     model = models[name]
@@ -147,7 +147,7 @@ def test_a_mixer_that_continues_a_state_one_token_at_a_time_is_served_stepwise(n
     rng = np.random.default_rng(5)
     doc = rng.integers(1, vocab, 40).tolist()
     pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
-    assert pc._stepwise() and pc._get_layout()[0] == 0
+    assert pc.engine.stepwise() and pc.engine.layout()[0] == 0
     assert_same(pc.prefill(doc)[1], plain(model, doc), ATOL, f"{name}: the document (one pass)")
     for q in range(3):
         ids = doc + rng.integers(1, vocab, 4 + q).tolist()
@@ -172,12 +172,12 @@ def test_a_stepwise_model_is_recomputed_where_its_steps_would_take_longer(store)
     doc = rng.integers(1, vocab, 40).tolist()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(doc)
-    rates = Rates(store, model, pc._get_layout()[4], model.device)
+    rates = Rates(store, model, pc.engine.layout()[4], model.device)
     one = rates.work(0, 1)
     for step_tokens, served in ((30.0, 0), (0.5, 40)):  # a step costs 30 / half a token of one pass
         store.put(rates.key, {"full": np.full(3, 1e-3 / one), "step": np.full(3, step_tokens * 1e-3)}, kind=RATES_KIND)
         ids = doc + rng.integers(1, vocab, 6).tolist()
-        pc._rates = None  # read the planted rates
+        pc.engine._rates = None  # read the planted rates
         assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, f"a step costing {step_tokens} tokens")
         assert pc.stats["last"]["served"] == served and pc.stats["last"]["declined"] == 40 - served
 
@@ -215,7 +215,7 @@ def test_a_model_of_running_states_only_is_served_from_its_states(store):
     rng = np.random.default_rng(5)
     doc = rng.integers(1, vocab, 40).tolist()
     pc = PrefixCache(model, None, store=store, block_tokens=8)
-    assert pc._get_layout()[0] == 0
+    assert pc.engine.layout()[0] == 0
     pc.prefill(doc)
     ids = doc + rng.integers(1, vocab, 6).tolist()
     assert_transparent(lambda: pc.prefill(ids)[1], lambda: plain(model, ids), atol=ATOL, what="mamba2, a question")
@@ -305,9 +305,9 @@ def test_each_prompt_keeps_its_own_state_when_only_an_earlier_block_differs(mode
     for seq in (a, b, ids):
         seq = np.array(seq)
         for n in range(9, len(seq) + 1):
-            key = pc._state_key(seq, n)
+            key = pc.engine.request().state_key(seq, n)
             if key in parents:
-                assert parents[key] == pc._block_keys(seq, n // 8)[-1], n
+                assert parents[key] == pc.engine.request().block_keys(seq, n // 8)[-1], n
 
 
 def test_a_prompt_leaving_a_generated_answer_part_way_resumes_before_the_prompt_end(models, store):
@@ -318,7 +318,7 @@ def test_a_prompt_leaving_a_generated_answer_part_way_resumes_before_the_prompt_
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     out = pc.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
     seq = np.array(out)
-    assert {n for n in range(1, len(seq)) if pc._state_key(seq, n) in store} == {25, 37}
+    assert {n for n in range(1, len(seq)) if pc.engine.request().state_key(seq, n) in store} == {25, 37}
     ids = out[:28] + [(out[28] + 1) % vocab_of(model), 3]
     assert_same(pc.prefill(ids)[1], plain(model, ids), ATOL, "diverging inside the answer")
     assert pc.stats["last"]["served"] == 25  # KV for 28 tokens; the state before the prompt's last token
@@ -329,7 +329,7 @@ def test_stored_costs_are_the_measured_compute_time(models, store, monkeypatch):
     tokens took: every forward takes one second here."""
     import types
 
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     clock = iter(range(10**6))
     monkeypatch.setattr(prefix, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
@@ -339,12 +339,12 @@ def test_stored_costs_are_the_measured_compute_time(models, store, monkeypatch):
     pc = PrefixCache(model, None, store=store, block_tokens=8)
     pc.prefill(a.tolist())  # forwards over 0-16, 16-32, 32-48, 48-49 and 49-50: one second each
     cost = {info.key: info.cost_s for info in store.ls()}
-    keys = pc._block_keys(a, 6)
+    keys = pc.engine.request().block_keys(a, 6)
     assert [cost[k] for k in keys] == [0.5] * 6  # 8 of a piece's 16 tokens
-    pointers = [pc._tail_key(keys[b - 1] if b else None, int(a[8 * b])) for b in range(6)]  # to each full block
+    pointers = [pc.engine.request().tail_key(keys[b - 1] if b else None, int(a[8 * b])) for b in range(6)]  # to each full block
     assert [cost[k] for k in pointers] == [0.5] * 6
-    assert [cost[pc._state_key(a, n)] for n in (16, 32, 48, 50)] == [1.0, 2.0, 3.0, 5.0]  # the whole prefix
-    tail = pc._tail_key(keys[-1], int(a[48]))
+    assert [cost[pc.engine.request().state_key(a, n)] for n in (16, 32, 48, 50)] == [1.0, 2.0, 3.0, 5.0]  # the whole prefix
+    tail = pc.engine.request().tail_key(keys[-1], int(a[48]))
     assert cost[tail] == pytest.approx(0.2)  # 2 tokens at the request's 5 s / 50 tokens
     pc.prefill(a.tolist())  # the same prompt: its tail is already stored, and kept as it was
     assert {info.key: info.cost_s for info in store.ls()}[tail] == pytest.approx(0.2)
@@ -352,7 +352,7 @@ def test_stored_costs_are_the_measured_compute_time(models, store, monkeypatch):
 
 def test_a_prompt_resuming_before_stored_blocks_stores_the_blocks_after_them(models, store, monkeypatch):
     """KV stored past the last state: the request runs from the state, skips the blocks already stored and stores the rest."""
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
     model = models["qwen3_next"]
@@ -384,7 +384,7 @@ def test_after_generate_on_a_block_aligned_prompt_another_reply_resumes_before_i
 
 def test_a_state_stored_after_a_one_token_piece_costs_the_runs_mean_rate(models, store, monkeypatch):
     """The state before a prompt's last token comes after a one-token forward: priced at the run's mean rate."""
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     model = models["qwen3_next"]
     pc = PrefixCache(model, None, store=store, block_tokens=8)
@@ -402,7 +402,7 @@ def test_blocks_stored_by_a_run_resuming_mid_prompt_cost_its_rate(models, store,
     rate (its seconds over the tokens it ran), not over the prompt from its start."""
     import types
 
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._engine as prefix
 
     monkeypatch.setattr(prefix, "STATE_EVERY_TOKENS", 16)
     model = models["qwen3_next"]
@@ -415,7 +415,7 @@ def test_blocks_stored_by_a_run_resuming_mid_prompt_cost_its_rate(models, store,
     b = a[:40] + rng.integers(1, vocab_of(model), 30).tolist()
     pc.prefill(b)  # resumes at 32: forwards over 32-40 (where it parts from a) and 40-48, one second each
     assert pc.stats["last"]["served"] == 32
-    block = pc._block_keys(np.array(b), 6)[5]  # tokens 40-48: stored after the piece that ends at 48
+    block = pc.engine.request().block_keys(np.array(b), 6)[5]  # tokens 40-48: stored after the piece that ends at 48
     assert {info.key: info.cost_s for info in store.ls()}[block] == pytest.approx(1.0)  # 2 s / 16 tokens x 8
 
 
@@ -424,7 +424,7 @@ def test_a_restored_cache_that_counts_other_tokens_than_it_was_served_is_recompu
     """The model takes its next positions from the cache's own count: a restore that leaves a count the
     library does not know about wrong (planted here by zeroing every state layer's count) is a miss
     with a warning, equal to a recompute, instead of scores computed at the wrong positions."""
-    import promptstore.llm._prefix as prefix
+    import promptstore.llm._request as prefix
     from promptstore.errors import PromptStoreWarning
 
     real = prefix.restore_states

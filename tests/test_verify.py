@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from transformers import LlamaForCausalLM
 
-import promptstore.llm._prefix as prefix_module
+import promptstore.llm._engine as prefix_module
 from promptstore import PromptStore
 from promptstore.errors import PromptStoreWarning
 from promptstore.llm import ChunkCache, PrefixCache
@@ -287,7 +287,7 @@ def test_a_fresh_process_checks_the_entries_another_process_stored(tmp_path, mon
         import sys, torch
         import torch.nn.functional as F
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-        import promptstore.llm._prefix as P
+        import promptstore.llm._engine as P
         from test_verify import tiny, IDS
         from promptstore import PromptStore
         from promptstore.llm import PrefixCache
@@ -345,7 +345,7 @@ def test_a_check_leaves_the_served_kv_as_it_was(store):
     before = [layer.keys.clone() for layer in cache.layers], [layer.values.clone() for layer in cache.layers]
     k = torch.stack([layer.keys for layer in cache.layers])
     v = torch.stack([layer.values for layer in cache.layers])
-    verdict = verify_served(model, pc._cache_arg, (k, v), n, np.asarray(IDS), TOLERANCE["F32"])
+    verdict = verify_served(model, pc.engine.cache_arg, (k, v), n, np.asarray(IDS), TOLERANCE["F32"])
     assert verdict is not None and verdict.ok and verdict.positions == VERIFY_POSITIONS
     assert all(torch.equal(a, b) for a, b in zip(before[0], [x for x in k], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before[1], [x for x in v], strict=True))
@@ -454,7 +454,7 @@ def test_unchanged_models_pass_their_check(model_type, dtype, store):
     except UnsupportedModelError:
         assert dtype == torch.bfloat16, f"{model_type} is served in float32"
         pytest.skip(f"{model_type} is refused in bfloat16 (pieces differ from one pass)")
-    assert pc._checkable, f"the check does not run on {model_type}"
+    assert pc.engine.checkable, f"the check does not run on {model_type}"
     with warnings.catch_warnings():
         warnings.simplefilter("error", PromptStoreWarning)
         for ids in llm_zoo.prompts(llm_zoo.vocab_of(model)):

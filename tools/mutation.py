@@ -139,10 +139,11 @@ GROUPS = [
     # LLM reuse: block and tail keys, what a lookup serves, passages placed, moved and chosen,
     # running states stored and restored.
     Group("llm", {
-        "promptstore/llm/_prefix.py": tuple(f"PrefixCache.{m}" for m in (
-            "_fingerprints", "_root_key", "_request_root", "_block_keys", "_fits", "_lookup_into", "_tail_key",
-            "_shared", "_copy_tail", "_read_blocks", "_store_blocks", "_store_kv", "_store_tail", "_state_key",
-            "_state_point", "_store_state", "_run", "_miss_cache")),
+        "promptstore/llm/_engine.py": tuple(f"Engine.{m}" for m in (
+            "fingerprints", "root_key", "fits", "shared", "copy_tail", "read_blocks", "miss_cache")),
+        "promptstore/llm/_request.py": tuple(f"Request.{m}" for m in (
+            "block_keys", "lookup_into", "tail_key", "store_blocks", "store_kv", "store_tail", "state_key",
+            "state_point", "store_state", "run")),
         "promptstore/llm/_states.py": ("state_layers", "read_states", "state_signature", "states_fit", "restore_states"),
         "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate",
                                        "ChunkCache._query_ranking", "ChunkCache._repair", "_kl"),
@@ -186,7 +187,7 @@ GROUPS = [
     Group("verify", {
         "promptstore/llm/_verify.py": ("tolerance", "check_positions", "refuted", "refute", "confirm", "_layer_plan",
                                        "verifiable", "verify_served", "_relative", "works_on", "_self_test"),
-        "promptstore/llm/_prefix.py": ("PrefixCache._verified", "PrefixCache._lookup"),
+        "promptstore/llm/_request.py": ("Request.verified", "Request.lookup"),
         "promptstore/vision/_verify.py": ("feature_error", "check_feature")},
           ("tests/test_verify.py", "tests/test_vision_verify.py"),
           sample=4),
