@@ -265,6 +265,10 @@ class ChunkCache:
         n_anchor = len(anchor)
         req = engine.request()
         self._check_model()
+        if self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying() and len(passages) > 1:
+            # Trying the guard's budgets has lately ended in the exact prefill: run it at once, before any
+            # stored passage is read.
+            return self._direct(ids, stop)
         need = len(ids) + RESERVE_TOKENS
         buffers = engine.allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_exact = req.lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
@@ -281,11 +285,7 @@ class ChunkCache:
         start = max(n_exact, n_anchor)
         exact_to = start  # every position before it holds the KV a plain prefill computes
         placed = np.zeros(len(ids), bool)
-        # Where trying the guard's budgets has lately cost more than it saved, the exact prefill at once,
-        # decided before any moved passage is read: it recomputes them all (one not stored yet is still
-        # computed and stored where it belongs, for later requests).
         t0 = time.perf_counter()  # the guard's try starts with the passages' reads
-        exact_now = self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying()
         moved = []  # positions of passages cached in another context than this prompt's
         ends = n_anchor + np.cumsum([len(p) for p in passages], dtype=np.int64)
         for i, passage in enumerate(passages):
@@ -293,9 +293,7 @@ class ChunkCache:
             if lo < start or hi > stop:
                 continue  # inside the exact prefix, or straddling it or the end: computed if not served
             placed[lo:hi] = True
-            if exact_now and i and self._chunk_key(req, anchor, passage) in self.store:
-                pass  # recomputed by the exact prefill: its stored KV is not read
-            elif not self._place(req, anchor, passage, buffers, lo):
+            if not self._place(req, anchor, passage, buffers, lo):
                 source[lo:hi] = STORED
             if i:  # the first passage sits right after the anchor, where it was cached: exact as it is
                 moved.append(np.arange(lo, hi))
@@ -305,21 +303,18 @@ class ChunkCache:
         total = sum(len(m) for m in moved)
         partial = 0 < int(round(self.recompute * total)) < total
         stale = hidden = None
-        direct = bool(moved) and exact_now
-        if moved and base.size and not direct and ((self.select == "query" and partial) or self.max_kl is not None):
+        if moved and base.size and ((self.select == "query" and partial) or self.max_kl is not None):
             # The question over the stitched KV as it is: the guard's first point, and the queries
             # the "query" selection ranks moved tokens by.
             with torch.no_grad():
                 stale, hidden = self._pass(ids, buffers, base, stop, hidden=self.select == "query")
         ranked = self._query_ranking(hidden, buffers, base, moved, stop) if hidden is not None else None
-        if self.select == "blend" and moved and not direct and (partial or (self.max_kl is not None and self.recompute < 1.0)):
+        if self.select == "blend" and moved and (partial or (self.max_kl is not None and self.recompute < 1.0)):
             # Ranked once, on the KV as stored: the guard's larger budgets take the next tokens of that order.
             candidates = np.concatenate(moved)
             ranked = candidates[np.argsort(-self._deviation(ids, buffers, candidates), kind="stable")]
         fraction = self.recompute
         estimate = None
-        if direct:
-            fraction, estimate = 1.0, 0.0
         if moved and fraction >= 1.0:
             chosen = np.concatenate(moved)
             logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
@@ -348,11 +343,8 @@ class ChunkCache:
                 chosen = more
                 previous, logits = logits, self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
                 estimate = 0.0 if chosen.size >= total else GUARD_SAFETY * _kl(logits, previous)
-        if self.max_kl is not None and moved and self.recompute < 1.0:
-            if direct:
-                self._guard.went_exact(time.perf_counter() - t0)
-            elif fraction < 1.0:
-                self._guard.tried(True, time.perf_counter() - t0, None)
+        if self.max_kl is not None and moved and self.recompute < 1.0 and fraction < 1.0:
+            self._guard.tried(True, time.perf_counter() - t0, None)
         last = self._last = _Stats()
         last.queried, last.requests = len(ids), 1
         last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
@@ -379,6 +371,19 @@ class ChunkCache:
         cache = make_cache(buffers, start, self.model.config)
         _, out, _ = engine.forward(ids, start, stop, cache)
         return out[0, -1]
+
+    def _direct(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
+        """The exact prefill as PrefixCache runs a prompt: its stored prefix where serving it pays, checked in the
+        forward, the rest computed, the blocks stored. No stored passage is read and none is computed on the side:
+        a passage not stored yet is stored by a later request that tries the guard's budgets."""
+        t0 = time.perf_counter()
+        cache, logits = self.prefix.prefill(ids[:stop])  # under the model's lock, which this request holds
+        self._guard.went_exact(time.perf_counter() - t0)
+        served = self.prefix.stats["last"]["served"]
+        last = self._last = _Stats()
+        last.queried, last.requests, last.served, last.computed = len(ids), 1, served, len(ids) - served
+        last.fraction, last.estimate = 1.0, 0.0
+        return cache, logits
 
     def _from_scratch(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
         """The prompt's first ``stop`` tokens in one plain forward, nothing read or stored: a refuted live state."""

@@ -514,8 +514,11 @@ def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_
     what its path gives: the exact ones a full prefill."""
     anchor, passages, question = segments(500, 8)
     ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])
-    orders = [[3, 1, 0, 2], [2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0, 3, 2]]
-    for bound, want in ((0.0, [True] * 3 + [False] * (GUARD_PROBE_EVERY - 1) + [True, False]), (1e9, [True] * 5)):
+    # Every request a new order: an order asked before is served whole from the blocks its exact prefill stored.
+    orders = [[3, 1, 0, 2], [2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0, 3, 2], [0, 3, 1, 2],
+              [3, 0, 2, 1], [2, 1, 3, 0], [1, 2, 0, 3], [0, 2, 3, 1], [3, 2, 0, 1]]
+    # Accepted tries first: they store no whole prompt, which the exact prefills do.
+    for bound, want in ((1e9, [True] * 5), (0.0, [True] * 3 + [False] * (GUARD_PROBE_EVERY - 1) + [True, False])):
         cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound)
         passes: list[str] = []
         question_pass = cc._pass
@@ -537,14 +540,16 @@ def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_
             else:
                 assert cc.stats["last"]["fraction"] < 1.0
         assert tried == want, (bound, tried)
-        if bound == 0.0:  # going straight to exact with a passage never stored: equal, and now stored
+        if bound == 0.0:  # going straight to exact with a passage never stored: a plain exact prefill, equal to a
+            # full one, which computes nothing on the side (the passage is stored by a later try)
             fresh = segments(500, 9)[1][0]
             segs = [anchor, passages[2], fresh, passages[0], question]
             passes.clear()
-            _, logits = cc.prefill(segs)
+            cache, logits = cc.prefill(segs)
             assert not passes and cc.stats["last"]["fraction"] == 1.0
             assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
-            assert cc._chunk_key(cc.engine.request(), np.array(anchor), np.array(fresh)) in store
+            assert cache.get_seq_length() == sum(len(s) for s in segs)
+            assert cc._chunk_key(cc.engine.request(), np.array(anchor), np.array(fresh)) not in store
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
