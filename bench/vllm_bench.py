@@ -5,7 +5,10 @@
 
 Runs with the main venv's Python; every engine runs in a fresh process of vLLM's venv
 (``make vllm-venv``; default ``$PROMPTSTORE_VLLM_PYTHON``), SmolLM2-135M-Instruct, ``enforce_eager``,
-``max_tokens=1`` (time to the first token through ``LLM.generate``, after the engine is built).
+``max_tokens=1`` (time to the first token through ``LLM.generate``, after the engine is built), greedy, no
+logprobs: vLLM compiles its logprob gather (torch.compile, about 2 s on this CPU) during the first request of
+an engine that asks for them, with or without a connector, which would hide what a restart costs in every
+first-request column (tests/test_vllm.py compares logprobs).
 Per dtype, ``--repeats`` documents per length (each a document plus a question), one engine each:
 
   cold               vLLM alone, a document it has never seen
@@ -67,7 +70,7 @@ def engine_child(spec: dict) -> None:
             kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
             kv_connector_extra_config=spec["connector"])
     llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=True, max_model_len=8192, seed=0, **kwargs)
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+    params = SamplingParams(max_tokens=1, temperature=0)
     rows = []
     for ids in spec["prompts"]:
         t0 = time.perf_counter()

