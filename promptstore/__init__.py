@@ -22,6 +22,7 @@ from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
 from ._store import PromptStore, default_path
+from ._writer import background_priority
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "digest_tensors",
     "digest_memo_path",
     "derived_digest",
+    "background_priority",
     "errors",
     "__version__",
 ]

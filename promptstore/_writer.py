@@ -13,16 +13,31 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "background_priority"]
 
 
 # Queued bytes past which a put waits for the queue to drain first: a writer slower than the requests
 # (a slow disk, a busy Redis) holds requests back, as synchronous puts did, instead of growing memory.
 MAX_QUEUED_BYTES = 1 << 30
+
+
+def background_priority() -> None:
+    """Lower the calling thread's CPU priority to the least (nice 19), on Linux; elsewhere nothing.
+
+    Background writes then run on what the caller's own work leaves idle. At equal priority a write
+    competing with a forward that keeps every core busy slows it by more than the write's own time
+    (the forward's threads wait for the one that was preempted).
+    """
+    if sys.platform.startswith("linux"):  # per thread there; elsewhere it would lower the whole process
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 class Writer:
@@ -58,7 +73,8 @@ class Writer:
             self.flush()
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-writer")
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-writer",
+                                                initializer=background_priority)
             try:
                 future = self._pool.submit(job)
             except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"

@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from promptstore import PromptStore, chain_keys, file_digest
+from promptstore import PromptStore, background_priority, chain_keys, file_digest
 from promptstore.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -418,6 +418,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def _copy_out(self) -> None:
+        background_priority()  # the engine's own forward comes first
         while True:
             item = self._copies.get()
             if item is None:
@@ -439,6 +440,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 self._writes.put((key, parent, (array, "BF16") if data.dtype == torch.bfloat16 else array))
 
     def _drain(self) -> None:
+        background_priority()
         while True:
             item = self._writes.get()
             if item is None:
