@@ -268,7 +268,7 @@ class ChunkCache:
         if self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying() and len(passages) > 1:
             # Trying the guard's budgets has lately ended in the exact prefill: run it at once, before any
             # stored passage is read.
-            return self._direct(ids, stop)
+            return self._direct(req, ids, stop)
         need = len(ids) + RESERVE_TOKENS
         buffers = engine.allocate(-(-need // CAPACITY_STEP) * CAPACITY_STEP)
         n_exact = req.lookup_into(ids, buffers)  # leaves the last token, so n_exact <= stop
@@ -372,12 +372,12 @@ class ChunkCache:
         _, out, _ = engine.forward(ids, start, stop, cache)
         return out[0, -1]
 
-    def _direct(self, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
+    def _direct(self, req: Request, ids: np.ndarray, stop: int) -> tuple[Any, Any]:
         """The exact prefill as PrefixCache runs a prompt: its stored prefix where serving it pays, checked in the
         forward, the rest computed, the blocks stored. No stored passage is read and none is computed on the side:
         a passage not stored yet is stored by a later request that tries the guard's budgets."""
         t0 = time.perf_counter()
-        cache, logits = self.prefix.prefill(ids[:stop])  # under the model's lock, which this request holds
+        cache, logits = self.prefix.prefill_request(req, ids[:stop])
         self._guard.went_exact(time.perf_counter() - t0)
         served = self.prefix.stats["last"]["served"]
         last = self._last = _Stats()

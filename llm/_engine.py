@@ -135,25 +135,22 @@ class Engine:
         """The key every block of a request chains from. Hashes every weight (tens of ms): once per request."""
         return self.store.key(KIND, b"", fingerprints=self.fingerprints(structure))
 
-    def layout(self) -> Layout:
+    def _checked(self) -> tuple[Layout, States, bool]:
         if self._layout is None:
             self.refresh()
         assert self._layout is not None
-        return self._layout[1][0]
+        return self._layout[1]
+
+    def layout(self) -> Layout:
+        return self._checked()[0]
 
     def states(self) -> States:
         """The model's linear-attention/SSM state tensors (empty: every layer keeps KV)."""
-        if self._layout is None:
-            self.refresh()
-        assert self._layout is not None
-        return self._layout[1][1]
+        return self._checked()[1]
 
     def stepwise(self) -> bool:
         """Whether the model continues a running state one token at a time only (Mamba: see probe_model)."""
-        if self._layout is None:
-            self.refresh()
-        assert self._layout is not None
-        return self._layout[1][2]
+        return self._checked()[2]
 
     def refresh(self) -> Structure:
         """Check the model as it is now, and re-derive the layout whenever its live identity moved.

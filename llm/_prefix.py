@@ -187,7 +187,14 @@ class PrefixCache:
         """
         with self.engine.lock:  # one request at a time (see the class)
             ids = self.engine.token_ids(input_ids)
-            req = self._begin(len(ids))
+            return self.prefill_request(self.engine.request(), ids)
+
+    def prefill_request(self, req: Request, ids: np.ndarray) -> tuple[Any, Any]:
+        """``prefill`` of checked token ids as ``req``, a request the caller made and holds the model's lock for
+        (ChunkCache's exact path: its request already checked the model)."""
+        with self.engine.lock:
+            self._last = req.counts
+            req.counts.queried, req.counts.requests = len(ids), 1
             cache, n_cached = req.lookup(ids, in_forward=True)
             ran = req.checked_run(ids, lambda: req.run(ids, n_cached, len(ids), cache, last_apart=True))
             if ran is None:  # the hit was refuted: from scratch

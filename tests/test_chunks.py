@@ -679,3 +679,20 @@ def test_the_move_check_is_stored_per_live_structure_and_frequencies(tmp_path, m
         with pytest.raises(UnsupportedModelError, match="does not move"):
             ChunkCache(cohere, store=store)
     assert len(calls) == 5
+
+
+def test_generate_through_the_guards_straight_path_equals_model_generate(tiny, store):
+    """Where the guard goes straight to the exact prefill, generate continues PrefixCache's cache (cropped by one
+    token for the guard's whole-prompt build): the same greedy tokens as the model alone, in every order."""
+    anchor, passages, question = segments(500, 8)
+    ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])
+    cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=0.0)
+    straight = 0
+    for order in ([3, 1, 0, 2], [2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0, 3, 2]):
+        segs = [anchor, *[passages[j] for j in order], question]
+        out = cc.generate(segs, max_new_tokens=6, do_sample=False)
+        ids = torch.tensor([[t for s in segs for t in s]])
+        want = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        assert out[0].tolist() == want[0].tolist(), order
+        straight += cc.stats["last"]["recomputed"] == 0  # nothing stored was read: the straight path
+    assert straight >= 3  # after three tries that ended exact
