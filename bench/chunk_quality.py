@@ -1,6 +1,7 @@
 """Passages anywhere (ChunkCache): quality against full prefill, and TTFT, per recompute setting.
 
     python bench/chunk_quality.py [--set chat|plain] [--prompts 100] [--passages 8] [--tokens 256] [--out bench/out]
+                                  [--own-stores] [--learn N]
 
 SmolLM2-135M-Instruct (fp32, real weights), RAG prompts of real English text: k passages drawn
 from the READMEs and licenses that ship inside installed packages and from long Python
@@ -23,6 +24,10 @@ Per setting, against transformers' full prefill of the same ids:
                selection, the forward) against the full prefill, medians, side by side
   guard        for settings with max_kl: the request's own estimate against its true KL (Spearman
                correlation, share of requests whose true KL exceeds the bound) and the fraction used
+--own-stores gives each setting a copy of the warmed folder, so that what one setting stores (a guarded
+request's exact prefill stores the whole prompt's blocks) is never served to another. --learn N: each
+guarded setting first runs N other prompts (not measured), then is made again on a new PromptStore over
+the same folder, as a restarted process finds the guard's history in the store.
 Writes chunk_quality_{k}x{tokens}.json (chunk_quality_plain_{k}x{tokens}.json for the plain set).
 Not a test: the figures are the product of one run.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -165,11 +171,14 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", help="labels to run (default: all)")
     parser.add_argument("--store", help="a store folder to reuse (passages already stored there are not recomputed)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--own-stores", action="store_true", help="a copy of the warmed store per setting")
+    parser.add_argument("--learn", type=int, default=0, help="prompts each guarded setting runs before it is measured")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m-instruct")
     k = args.passages
-    prompts = build_prompts(tok, args.set, args.prompts, k, args.tokens)
+    prompts = build_prompts(tok, args.set, args.prompts + args.learn, k, args.tokens)
+    prompts, learning = prompts[:args.prompts], prompts[args.prompts:]
     folder = args.store or tempfile.mkdtemp(prefix="ps-chunks-")
     settings = [(label, r / args.tokens if r >= 1 else r, sel, bound) for label, r, sel, bound in SETTINGS
                 if not args.settings or label in args.settings]
@@ -178,10 +187,25 @@ def main() -> None:
     # Warm: every passage stored once, after the anchor (the first cache computes what is missing).
     warm = caches[settings[0][0]]
     t0 = time.perf_counter()
-    for p in prompts:
+    for p in prompts + learning:
         warm.prefill(p)
-    print(f"warmed {len({tuple(x) for p in prompts for x in p[1:-1]})} passages in {time.perf_counter() - t0:.0f} s",
+    warm.store.flush()  # before the folder is copied
+    print(f"warmed {len({tuple(x) for p in prompts + learning for x in p[1:-1]})} passages in {time.perf_counter() - t0:.0f} s",
           flush=True)
+    for i, (label, r, sel, bound) in enumerate(settings):
+        where = folder
+        if args.own_stores:
+            where = f"{folder}-{i}"
+            shutil.copytree(folder, where)
+        if bound is not None and learning:
+            learner = ChunkCache(model, tok, PromptStore(where, memory_bytes=0), recompute=r, select=sel, max_kl=bound)
+            for p in learning:
+                learner.prefill(p)
+            learner.store.close()
+            print(f"{label}: learned on {len(learning)} prompts", flush=True)
+        if where != folder or (bound is not None and learning):  # made again: only the store carries over
+            caches[label] = ChunkCache(model, tok, PromptStore(where, memory_bytes=0), recompute=r, select=sel,
+                                       max_kl=bound)
     rows: dict[str, dict[str, list[float]]] = {label: {"kl": [], "top1": [], "decisive": [], "greedy_all": [],
                                                        "greedy_lead": [], "ttft": [], "full": [], "estimate": [],
                                                        "fraction": []} for label, *_ in settings}

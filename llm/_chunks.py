@@ -32,6 +32,9 @@ A prompt is given as segments: an anchor (a system line), passages, and a questi
   ``GUARD_SAFETY``, and doubles the recomputed fraction until the estimate is within the bound;
   a doubling past half of the moved tokens, or an estimate too far over the bound to come within
   it by then (``GUARD_FALL``), is an exact prefill instead. ``stats["last"]`` reports the estimate and the fraction used.
+  Where trying the budgets has lately ended in the exact prefill more than it paid, a request goes
+  straight to the exact prefill (``GuardCost``, learned per setting and kept in the store, so a
+  restarted process does not learn it again).
 
 Such KV is approximate, so nothing ChunkCache computes after the anchor is ever stored in
 PrefixCache's exact key space.
@@ -39,10 +42,8 @@ PrefixCache's exact key space.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._buffers import CAPACITY_STEP, RESERVE_TOKENS, copy_block, host_view, kv_layers, make_cache
 from ._counts import Counts
+from ._decide import GuardCost
 from ._engine import Engine
 from ._inputs import check_generation, check_lengths
 from ._prefix import PrefixCache
@@ -83,11 +85,6 @@ GUARD_EXACT_ABOVE = 0.5
 # the chat set's work from 1.59-1.70 to 1.10-1.11 x the moved tokens; plain: 0.47 / 1.04 / 1.24 to
 # 0.51 / 1.09 / 1.18; violations 0-2.5% on both.
 GUARD_FALL = 4.0
-# The guard's own cost: the requests it tried lately (accepted or not, and how long each part took), so
-# that where trying keeps ending in the exact prefill, a request goes straight to it (never slower than
-# a plain prefill by more than a probe now and then). GUARD_PROBE_EVERY: how often it tries anyway.
-GUARD_HISTORY = 8
-GUARD_PROBE_EVERY = 8
 _SHIFT = 37  # how far the model check moves a probe passage
 SERVED, STORED, COMPUTED = 0, 1, 2
 
@@ -167,7 +164,15 @@ class ChunkCache:
         self._inv_freq: Any = None  # the rotary frequencies that check read
         self._check_model()
         self._last, self._total = _Stats(), _Stats()
-        self._guard = _GuardCost()
+        self._guard_cost: GuardCost | None = None
+
+    def _guard(self) -> GuardCost:
+        """The guard's own cost (see GuardCost): where trying keeps ending in the exact prefill, a request goes
+        straight to it, never slower than a plain prefill by more than a probe now and then."""
+        if self._guard_cost is None:
+            self._guard_cost = GuardCost(self.store, self.engine.rates(),
+                                         f"max_kl={self.max_kl!r}|recompute={self.recompute!r}|select={self.select}")
+        return self._guard_cost
 
     def _check_model(self) -> None:
         """The checks of a model whose passages can move, again whenever its live identity moved.
@@ -265,7 +270,7 @@ class ChunkCache:
         n_anchor = len(anchor)
         req = engine.request()
         self._check_model()
-        if self.max_kl is not None and self.recompute < 1.0 and not self._guard.worth_trying() and len(passages) > 1:
+        if self.max_kl is not None and self.recompute < 1.0 and not self._guard().worth_trying() and len(passages) > 1:
             # Trying the guard's budgets has lately ended in the exact prefill: run it at once, before any
             # stored passage is read.
             return self._direct(req, ids, stop)
@@ -335,7 +340,7 @@ class ChunkCache:
                     chosen, estimate = np.concatenate(moved), 0.0
                     t_exact = time.perf_counter()
                     logits = self._exact(ids, buffers, source, exact_to, stop, chosen)
-                    self._guard.tried(False, t_exact - t0, time.perf_counter() - t_exact)
+                    self._guard().tried(stop, False, t_exact - t0, time.perf_counter() - t_exact)
                     break
                 more = np.union1d(chosen, self._choose(ids, buffers, moved, fraction, ranked)).astype(np.int64)
                 if more.size == chosen.size:
@@ -344,7 +349,7 @@ class ChunkCache:
                 previous, logits = logits, self._repair(ids, buffers, np.union1d(chosen, base).astype(np.int64), stop)
                 estimate = 0.0 if chosen.size >= total else GUARD_SAFETY * _kl(logits, previous)
         if self.max_kl is not None and moved and self.recompute < 1.0 and fraction < 1.0:
-            self._guard.tried(True, time.perf_counter() - t0, None)
+            self._guard().tried(stop, True, time.perf_counter() - t0)
         last = self._last = _Stats()
         last.queried, last.requests = len(ids), 1
         last.recomputed = int(np.count_nonzero(source[chosen] == STORED))
@@ -378,7 +383,7 @@ class ChunkCache:
         a passage not stored yet is stored by a later request that tries the guard's budgets."""
         t0 = time.perf_counter()
         cache, logits = self.prefix.prefill_request(req, ids[:stop])
-        self._guard.went_exact(time.perf_counter() - t0)
+        self._guard().went_exact(stop, time.perf_counter() - t0)
         served = self.prefix.stats["last"]["served"]
         last = self._last = _Stats()
         last.queried, last.requests, last.served, last.computed = len(ids), 1, served, len(ids) - served
@@ -644,46 +649,6 @@ class ChunkCache:
         (stored KV of moved passages computed again); ``computed`` (no stored KV: the anchor's and new
         passages' first computation, the question). ``served + recomputed + computed == queried``."""
         return {"last": self._last.as_dict(), "total": self._total.as_dict()}
-
-
-class _GuardCost:
-    """Whether trying the guard's budgets is expected to beat the exact prefill, from the last requests.
-
-    A try costs what it ran before it was accepted, or that plus the exact prefill when it was not;
-    going straight to the exact prefill costs the prefill. With ``p`` the share of tries accepted,
-    trying pays while ``p * (exact - accepted) > (1 - p) * failed``. Until a few tries are known it
-    tries, and while it does not, every ``GUARD_PROBE_EVERY``-th request tries anyway (the prompts may
-    have changed). Per ChunkCache, in this process.
-    """
-
-    def __init__(self) -> None:
-        self.outcomes: deque[tuple[bool, float, float | None]] = deque(maxlen=GUARD_HISTORY)
-        self.exact: deque[float] = deque(maxlen=GUARD_HISTORY)  # seconds of exact prefills, either way
-        self._since_try = 0
-
-    def worth_trying(self) -> bool:
-        if len(self.outcomes) < 3 or not self.exact:
-            return True
-        accepted = [s for ok, s, _ in self.outcomes if ok]
-        failed = [s for ok, s, _ in self.outcomes if not ok]
-        p = len(accepted) / len(self.outcomes)
-        exact = statistics.median(self.exact)
-        gain = p * (exact - statistics.median(accepted)) if accepted else 0.0
-        loss = (1 - p) * statistics.median(failed) if failed else 0.0
-        if gain > loss or self._since_try + 1 >= GUARD_PROBE_EVERY:
-            self._since_try = 0
-            return True
-        self._since_try += 1
-        return False
-
-    def tried(self, accepted: bool, seconds: float, exact_s: float | None) -> None:
-        """A try was accepted after ``seconds``, or failed after ``seconds`` and then ran the exact prefill."""
-        self.outcomes.append((accepted, seconds, exact_s))
-        if exact_s is not None:
-            self.exact.append(exact_s)
-
-    def went_exact(self, seconds: float) -> None:
-        self.exact.append(seconds)
 
 
 def _doubled(fraction: float) -> float:

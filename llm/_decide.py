@@ -33,8 +33,8 @@ import numpy as np
 
 from promptstore import PromptStore
 
-__all__ = ["DEFAULT_RESTORE_S_PER_BYTE", "DEFAULT_RHO", "DEFAULT_STEP_TOKENS", "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates",
-           "RestoreRates", "Work"]
+__all__ = ["DEFAULT_RESTORE_S_PER_BYTE", "DEFAULT_RHO", "DEFAULT_STEP_TOKENS", "GUARD_PROBE_EVERY", "GuardCost",
+           "MIN_MEASURED_TOKENS", "RATES_KIND", "Rates", "RestoreRates", "Work"]
 
 RATES_KIND = "llm.rates"
 # Measured on this machine (SmolLM2, 2k tokens: bench/never_slower.py): a forward over stored KV runs
@@ -95,7 +95,7 @@ class _Measured:
     _lock = threading.Lock()
 
     def __init__(self, store: PromptStore, setting: str, kinds: tuple[str, ...]) -> None:
-        self.store = store
+        self.store, self.setting = store, setting
         self.key = store.key(RATES_KIND, setting)
         self.samples: dict[str, list[float]] = {kind: [] for kind in kinds}
         entry = store.get(self.key, kind=RATES_KIND)
@@ -105,11 +105,13 @@ class _Measured:
                 if arr is not None and arr.ndim == 1 and arr.dtype == np.float64:
                     self.samples[kind] = [float(x) for x in arr[-_KEEP:] if np.isfinite(x) and x > 0]
 
-    def _add(self, kind: str, value: float) -> None:
+    def _add(self, kind: str, value: float, **more: float) -> None:
+        """Keep ``value`` as a sample of ``kind`` (and each of ``more`` as one of its kind), in one write."""
         with self._lock:
-            samples = self.samples[kind]
-            samples.append(value)
-            del samples[:-_KEEP]
+            for k, v in {kind: value, **more}.items():
+                samples = self.samples[k]
+                samples.append(v)
+                del samples[:-_KEEP]
             tensors = {k: np.asarray(v, dtype=np.float64) for k, v in self.samples.items() if v}
         self.store.put(self.key, tensors, kind=RATES_KIND, background=True)
 
@@ -191,3 +193,59 @@ class RestoreRates(_Measured):
         """A state of ``nbytes`` bytes was read and restored in ``seconds``."""
         if nbytes > 0 and seconds > 0:
             self._add("restore", seconds / nbytes)
+
+
+# Where trying the guard's budgets has lately not paid, every GUARD_PROBE_EVERY-th request tries anyway (the
+# prompts may have changed).
+GUARD_PROBE_EVERY = 8
+_ACCEPTED, _FAILED = 1.0, 2.0  # a try's outcome as a sample (samples are positive)
+
+
+class GuardCost(_Measured):
+    """Whether trying ChunkCache's guard budgets is expected to beat going straight to the exact prefill.
+
+    A try costs what it ran before it was accepted, or that plus the exact prefill when it was not;
+    going straight costs the exact prefill. With ``p`` the share of the last tries accepted, trying
+    pays while ``p * (exact - accepted) > (1 - p) * failed``, each cost the median of its last
+    samples in seconds per unit of a full prefill's work (:class:`Work`), so prompts of other
+    lengths compare. Until three tries are known it tries; while it does not, every
+    ``GUARD_PROBE_EVERY``-th request of this object tries anyway. Kept in the store (kind
+    ``llm.rates``) per model class, dtype, device, CPU and guard setting: a restarted process starts
+    with what the last one learned instead of paying three tries to learn it again.
+    """
+
+    def __init__(self, store: PromptStore, rates: Rates, setting: str) -> None:
+        super().__init__(store, f"chunk-guard|{rates.setting}|{setting}", ("outcome", "accepted", "failed", "exact"))
+        self.work = rates.work
+        self._since_try = 0
+
+    def worth_trying(self) -> bool:
+        outcomes, exact = self.samples["outcome"], self.samples["exact"]
+        if len(outcomes) < 3 or not exact:
+            return True
+        accepted, failed = self.samples["accepted"], self.samples["failed"]
+        p = outcomes.count(_ACCEPTED) / len(outcomes)
+        gain = p * (statistics.median(exact) - statistics.median(accepted)) if accepted else 0.0
+        loss = (1 - p) * statistics.median(failed) if failed else 0.0
+        if gain > loss or self._since_try + 1 >= GUARD_PROBE_EVERY:
+            self._since_try = 0
+            return True
+        self._since_try += 1
+        return False
+
+    def tried(self, tokens: int, accepted: bool, seconds: float, exact_s: float | None = None) -> None:
+        """A try on a prompt of ``tokens`` was accepted after ``seconds``, or failed after ``seconds`` and then ran
+        the exact prefill in ``exact_s``."""
+        work = self.work(0, tokens)
+        if not work > 0 or not seconds > 0:
+            return
+        if accepted:
+            self._add("outcome", _ACCEPTED, accepted=seconds / work)
+        elif exact_s is not None and exact_s > 0:
+            self._add("outcome", _FAILED, failed=seconds / work, exact=exact_s / work)
+
+    def went_exact(self, tokens: int, seconds: float) -> None:
+        """A request of ``tokens`` went straight to the exact prefill, which took ``seconds``."""
+        work = self.work(0, tokens)
+        if work > 0 and seconds > 0:
+            self._add("exact", seconds / work)

@@ -22,11 +22,11 @@ from promptstore.llm._chunks import (
     CHUNK_KIND,
     GUARD_EXACT_ABOVE,
     GUARD_FALL,
-    GUARD_PROBE_EVERY,
     GUARD_SAFETY,
     _rotary_frequencies,
     _rotate,
 )
+from promptstore.llm._decide import GUARD_PROBE_EVERY
 
 import llm_zoo
 from conftest import run_python
@@ -550,6 +550,36 @@ def test_a_guard_that_keeps_ending_exact_goes_straight_to_the_exact_prefill_and_
             assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
             assert cache.get_seq_length() == sum(len(s) for s in segs)
             assert cc._chunk_key(cc.engine.request(), np.array(anchor), np.array(fresh)) not in store
+
+
+def test_what_the_guard_learned_about_its_cost_is_kept_in_the_store_per_setting(tiny, tmp_path):
+    """Three tries that ended exact teach a guard to go straight to the exact prefill; a ChunkCache made later on the
+    same folder (a restarted process) with the same setting goes straight from its first request, one with another
+    bound learns on its own, and another folder knows nothing. Every answer equals a full prefill."""
+    anchor, passages, question = segments(500, 8)
+    # Every request a new order: an order asked before is served whole from the blocks its exact prefill stored.
+    orders = [[3, 1, 0, 2], [2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0, 3, 2], [0, 3, 1, 2],
+              [3, 0, 2, 1]]
+
+    def tries(folder, bound: float, requests: list[list[int]]) -> list[bool]:
+        with PromptStore(folder) as store:
+            ChunkCache(tiny, store=store, recompute=0.0).prefill([anchor, *passages, question])
+            cc = ChunkCache(tiny, store=store, recompute=0.1, select="recent", max_kl=bound)
+            question_pass, passes = cc._pass, []
+            cc._pass = lambda *a, **k: passes.append(1) or question_pass(*a, **k)
+            tried = []
+            for order in requests:
+                segs = [anchor, *[passages[j] for j in order], question]
+                passes.clear()
+                _, logits = cc.prefill(segs)
+                tried.append(bool(passes))
+                assert (logits - full_logits(tiny, [t for s in segs for t in s])).abs().max().item() <= ATOL
+        return tried
+
+    assert tries(tmp_path / "a", 0.0, orders[:4]) == [True, True, True, False]
+    assert tries(tmp_path / "a", 0.0, orders[4:6]) == [False, False]  # restarted: straight at once
+    assert tries(tmp_path / "a", 1e-12, orders[6:]) == [True, True]  # another setting: its own history
+    assert tries(tmp_path / "b", 0.0, orders[4:6]) == [True, True]  # another store: nothing learned
 
 
 def test_a_stored_passage_of_another_shape_is_a_miss(tiny, store):
