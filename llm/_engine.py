@@ -241,7 +241,8 @@ class Engine:
 
     def bound(self) -> float:
         dtype = str(self.layout()[4]).replace("torch.", "")
-        return tolerance(*{d for d in (KV_DTYPES.get(dtype, "BF16"), KV_DTYPES[self.kv_dtype]) if d is not None})
+        computed = {**KV_DTYPES, "float64": "F64"}.get(dtype, "BF16")  # a float64 model stores F64 KV: its own bound
+        return tolerance(*{d for d in (computed, KV_DTYPES[self.kv_dtype]) if d is not None})
 
     def state_every(self) -> int:
         """Tokens between the states a miss stores (a whole number of blocks, about STATE_EVERY_TOKENS)."""
