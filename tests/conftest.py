@@ -104,8 +104,11 @@ def key_of(i: int | str) -> bytes:
 
 def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a real separate process)."""
-    full_env = {**os.environ, **(env or {})}
+    """Run ``code`` in a fresh interpreter (a real separate process).
+
+    Under ``make mutation`` the child runs the code as shipped (MUTANT_UNDER_TEST cleared), so that a
+    fresh-process test compares what the mutated process stored with what the original code reads."""
+    full_env = {**os.environ, "MUTANT_UNDER_TEST": "", **(env or {})}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
     if check and proc.returncode != 0:

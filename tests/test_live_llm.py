@@ -1224,3 +1224,235 @@ def test_a_builtin_bound_to_a_tensor_is_keyed_by_that_tensor(store):
     scale[:] = 0.5  # edited in place: the bound method is the same object
     assert served_after(pc, what="the tensor a bound builtin multiplies by") == 0
 
+
+
+# -- identity details found by mutation testing, third pass (the identity group's survivors) -------------
+def _doubled_silu(x, inplace=False):
+    return torch.nn.functional.sigmoid(x) * x * 2.0
+
+
+def _halved_silu(x, inplace=False):
+    return torch.nn.functional.sigmoid(x) * x * 0.5
+
+
+def test_a_replaced_torch_function_is_another_ambient_identity(monkeypatch):
+    """A function of torch's tables replaced by a user's (a patched activation) is named by its code, bare or
+    behind a functools wrapper (lru_cache keeps what it wraps in __wrapped__): each replacement is another
+    ambient identity, and torch's own function put back is the identity before (found by mutation testing:
+    a replacement's description failed, and an lru_cache around any function passed for torch's own)."""
+    import functools
+
+    from promptstore._live import ambient_identity
+
+    F = torch.nn.functional
+    x = torch.linspace(-2, 2, 5)
+    before = ambient_identity()
+    seen = {before}
+    for replacement in (_doubled_silu, _halved_silu, functools.lru_cache(maxsize=None)(_doubled_silu),
+                        functools.lru_cache(maxsize=None)(_halved_silu)):
+        monkeypatch.setattr(F, "silu", replacement)
+        assert not torch.allclose(F.silu(x), torch.sigmoid(x) * x)
+        seen.add(ambient_identity())
+    assert len(seen) == 5, "a replaced torch function kept another's ambient identity"
+    monkeypatch.undo()
+    assert ambient_identity() == before
+
+
+@pytest.mark.parametrize("kernel", ["flash", "mem_efficient", "math", "cudnn"])
+def test_an_attention_kernel_switched_off_is_another_ambient_identity(kernel):
+    """Which scaled-dot-product attention kernels may run (torch.backends.cuda.enable_*_sdp, settable on any
+    build) changes an attention's numbers: each switch is keyed (found by mutation testing: read from the
+    wrong place, every switch read as absent)."""
+    from promptstore._live import ambient_identity
+
+    enable, enabled = getattr(torch.backends.cuda, f"enable_{kernel}_sdp"), getattr(torch.backends.cuda,
+                                                                                   f"{kernel}_sdp_enabled")
+    before, was = ambient_identity(), enabled()
+    enable(not was)
+    try:
+        assert enabled() is (not was)
+        assert ambient_identity() != before, f"the {kernel} attention kernel switched kept the ambient identity"
+    finally:
+        enable(was)
+    assert ambient_identity() == before
+
+
+def test_a_precision_set_through_the_per_backend_api_is_named_where_it_applies():
+    """torch's per-backend precision API (torch.backends.<backend>.<op>.fp32_precision): a precision set on one
+    operation is named on it alone, one set on torch.backends as a whole on every operation left at "none", and
+    put back, the state named is the untouched one (found by mutation testing: every precision below
+    torch.backends itself read as unreadable, whatever it was)."""
+    from promptstore._live import ambient_identity
+    from promptstore._live._ambient import ambient_lines
+
+    backends, matmul = torch.backends, torch.backends.mkldnn.matmul
+    before, untouched = ambient_identity(), ambient_lines(torch)
+    was = backends.fp32_precision, matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "bf16"
+        lines = ambient_lines(torch)
+        assert "mkldnn.matmul.fp32_precision:bf16" in lines
+        assert "mkldnn.fp32_precision:ieee" in lines and "mkldnn.conv.fp32_precision:ieee" in lines
+        matmul.fp32_precision = "none"
+        backends.fp32_precision = "tf32"
+        lines = ambient_lines(torch)
+        for path in ("", "mkldnn", "mkldnn.matmul"):
+            assert f"{path}.fp32_precision:tf32" in lines, path
+        assert ambient_identity() != before
+    finally:
+        backends.fp32_precision, matmul.fp32_precision = was
+    assert ambient_lines(torch) == untouched and ambient_identity() == before
+
+
+def _tokenizer_folder(path):
+    from tokenizers import models
+
+    _fast_tokenizer(models.WordLevel({"a": 0, "b": 1, "ab": 2, "[UNK]": 3}, unk_token="[UNK]")).save_pretrained(path)
+    return path
+
+
+def test_a_tokenizer_loaded_in_this_process_is_named_from_its_files(tmp_path, monkeypatch):
+    """load_tokenizer, in this process: the folder's tokenizer files are listed by digest, what the tokenizer
+    was built from is recorded for that tokenizer and its backend only, and a second tokenizer loaded from the
+    same files gets the same identity without its vocabulary being serialised again (its digest is known under
+    those files). Found by mutation testing: these ran only in child processes, which import the unmutated
+    package, so a wrong origin or none at all went unseen."""
+    from tokenizers import models
+
+    from promptstore import file_digest
+    from promptstore._live import _tokenizers, load_tokenizer, tokenizer_files, tokenizer_identity
+    from promptstore._live._tokenizers import TOKENIZER_FILES, tokenizer_origin
+
+    folder = _tokenizer_folder(tmp_path / "tok")
+    files = tokenizer_files(folder)
+    assert files is not None and "tokenizer.json" in dict(files)
+    assert dict(files) == {p.name: file_digest(p) for p in folder.iterdir() if p.name in TOKENIZER_FILES}
+    assert tokenizer_files(tmp_path / "empty") is None
+
+    first, second = load_tokenizer(folder), load_tokenizer(folder)
+    origin = tokenizer_origin(first, first.backend_tokenizer)
+    assert origin is not None and all(digest in origin for _, digest in files)
+    assert tokenizer_origin(second, second.backend_tokenizer) == origin
+    assert tokenizer_origin(second, first.backend_tokenizer) is None  # another owner of that backend: nothing
+    assert tokenizer_origin(first, second.backend_tokenizer) is None
+
+    serialised = []
+    state = _tokenizers._state
+    monkeypatch.setattr(_tokenizers, "_state", lambda part: (serialised.append(type(part).__name__), state(part))[1])
+    identity = tokenizer_identity(first)
+    serialised.clear()
+    assert tokenizer_identity(second) == identity
+    assert "WordLevel" not in serialised, "a tokenizer loaded from known files serialised its vocabulary again"
+    tokenizer_identity(_fast_tokenizer(models.WordLevel({"a": 0, "b": 1, "ab": 2, "[UNK]": 3}, unk_token="[UNK]")))
+    assert "WordLevel" in serialised  # one loaded any other way is serialised (the check above can fail)
+
+
+def test_what_a_tokenizer_was_loaded_from_goes_with_it(tmp_path, monkeypatch):
+    """The record load_tokenizer keeps holds the tokenizer's backend: it is dropped when the tokenizer goes
+    (kept, every vocabulary ever loaded would stay alive), without an error in the weak reference's callback
+    (found by mutation testing: a callback that raised was unseen)."""
+    import gc
+    import sys
+    import weakref
+
+    from promptstore._live import _tokenizers, load_tokenizer
+
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    folder = _tokenizer_folder(tmp_path / "tok")
+    held = len(_tokenizers._ORIGINS)
+    tok = load_tokenizer(folder)
+    assert len(_tokenizers._ORIGINS) == held + 1
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
+    assert len(_tokenizers._ORIGINS) == held, "the record outlived its tokenizer (and keeps its backend alive)"
+    assert not raised, [str(r.exc_value) for r in raised]
+
+
+def test_a_models_description_is_remembered_while_it_lives_and_no_longer(monkeypatch):
+    """module_identity describes an unchanged model once, then re-checks the reads it rests on; the memo goes
+    when the model goes, and one emptied by reset_memos before that raises nothing when it does (found by
+    mutation testing: a memo never kept went unseen)."""
+    import gc
+    import sys
+
+    import promptstore._live as live
+    from promptstore._live import module_identity, reset_memos
+
+    raised, walks = [], []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    walk_tree = live.walk_tree
+    monkeypatch.setattr(live, "walk_tree", lambda *a, **k: (walks.append(1), walk_tree(*a, **k))[1])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    first = module_identity(model)
+    assert module_identity(model) == first and len(walks) == 1, "an unchanged model was described again"
+    model[1].approximate = "tanh"
+    assert module_identity(model) != first and len(walks) == 2  # a read changed: described again
+
+    held = len(live._MEMO._d)
+    other = torch.nn.Linear(4, 4)
+    module_identity(other)
+    assert len(live._MEMO._d) == held + 1
+    del other
+    gc.collect()
+    assert len(live._MEMO._d) == held, "the memo outlived its model"
+
+    reset_memos(digests=False)
+    del model
+    gc.collect()
+    assert not raised, [str(r.exc_value) for r in raised]
+
+
+def test_a_chain_nested_too_deep_through_bound_builtins_is_refused_not_a_crash():
+    """Nesting is bounded however it is reached: objects each holding a builtin bound to a dict that holds the
+    next (``{"next": node}.get``), too deep to describe, are refused with a typed error (found by mutation
+    testing: the depth restarted at a bound builtin's owner, and a long chain ended in a RecursionError)."""
+    from promptstore._live import module_identity
+
+    class Node:
+        follow = None
+
+    head = Node()
+    for _ in range(400):
+        node = Node()
+        node.follow = {"next": head}.get
+        head = node
+    holder = torch.nn.Linear(2, 2)
+    holder.chain = head
+    with pytest.raises(UnsupportedModelError, match="nested too deeply"):
+        module_identity(holder)
+
+
+def test_a_callable_passing_for_torchscript_without_code_is_refused():
+    """An object whose class is named like TorchScript's function but holds no compiled code is refused with
+    a typed error, as one with code that is not text is (found by mutation testing: it raised AttributeError)."""
+    from promptstore._live import module_identity
+
+    class ScriptFunction:
+        def __call__(self, x):
+            return x * 2
+
+    holder = torch.nn.Linear(2, 2)
+    holder.act = ScriptFunction()
+    with pytest.raises(UnsupportedModelError, match="without code"):
+        module_identity(holder)
+
+
+def test_a_refusal_inside_a_tokenizer_names_where_it_is():
+    """A tokenizers part that cannot be named is reported by its place in the tokenizer (found by mutation
+    testing: its path was dropped from the message)."""
+    from tokenizers import Regex
+
+    from promptstore._live import tokenizer_identity
+
+    class Splitting:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def __call__(self, text):
+            return text.split()
+
+    with pytest.raises(UnsupportedModelError, match=r"splitter\.pattern: a tokenizers\.Regex"):
+        tokenizer_identity(Splitting(Regex(r"\s+")), what="splitter")

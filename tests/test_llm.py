@@ -803,3 +803,44 @@ def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
         elif kind == "logits":
             assert (value - want_logits[i]).abs().max().item() <= ATOL
     assert pc.stats["total"]["served"] > 0  # the stored prefix served the threads
+
+
+# -- Request.lookup: the edges of its allocation and of a one-token prompt -------------------------
+def test_a_one_token_prompt_is_a_miss_and_equals_the_plain_model(tiny, store):
+    """No token of a one-token prompt is served (its last token always runs): lookup is a miss."""
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    ids = [17]
+    assert pc.lookup(ids) == (None, 0)
+    _, logits = pc.prefill(ids)
+    assert pc.stats["last"]["served"] == 0 and pc.stats["last"]["computed"] == 1
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+    assert pc.generate(ids, max_new_tokens=4, do_sample=False)[0].tolist() == greedy(tiny, ids, n=4)
+
+
+def test_a_hit_continues_in_the_buffers_it_was_loaded_into(tiny, store):
+    """The loaded buffers leave room after the prompt: its last token is written in place, not into regrown buffers."""
+    from promptstore.llm._buffers import kv_layers
+
+    ids = np.random.default_rng(27).integers(0, 500, 513).tolist()  # one past a capacity step
+    pc = PrefixCache(tiny, store=store, block_tokens=16)
+    pc.prefill(ids)
+    cache, n = pc.lookup(ids)
+    assert n == 512
+    loaded = kv_layers(cache)[0][0].untyped_storage().data_ptr()
+    del cache
+    cache, logits = pc.prefill(ids)  # a request of the same size: the same pooled buffers
+    assert pc.stats["last"]["served"] == 512
+    assert kv_layers(cache)[0][0].untyped_storage().data_ptr() == loaded
+    assert (logits - full_logits(tiny, ids)).abs().max().item() <= ATOL
+
+
+def test_a_block_longer_than_the_reserve_left_part_way_is_read_into_buffers_that_hold_it(tiny, store):
+    """block_tokens past the reserve after a prompt: a prompt leaving a stored full block part-way reads all of it."""
+    rng = np.random.default_rng(28)
+    first = rng.integers(0, 500, 1030).tolist()  # one block of 1024 and a tail
+    second = first[:100] + rng.integers(0, 500, 7).tolist()
+    PrefixCache(tiny, store=store, block_tokens=1024).prefill(first)
+    pc = PrefixCache(tiny, store=store, block_tokens=1024)  # buffers of its own, sized for this request
+    _, logits = pc.prefill(second)
+    assert pc.stats["last"]["served"] == 100
+    assert (logits - full_logits(tiny, second)).abs().max().item() <= ATOL

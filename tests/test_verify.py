@@ -476,3 +476,272 @@ def test_eager_and_sdpa_pass_their_check_and_both_see_a_change(store, monkeypatc
             finally:
                 undo()
             assert pc.stats["last"]["refuted"] == 1 and len(caught) == 1
+
+
+# -- where the check runs, and the verdict that decides it (works_on) ---------------------------
+def counted(attn: str = "sdpa") -> LlamaForCausalLM:
+    """The tiny model with the suite's counting hook on its embeddings (part of its identity from the start)."""
+    from counting import Counting
+
+    model = tiny(attn=attn)
+    Counting(model.get_input_embeddings())
+    return model
+
+
+def forwards(model):
+    from counting import Counting
+
+    return Counting(model.get_input_embeddings())
+
+
+def _verdict_entry(store):
+    from promptstore.llm._verify import VERIFY_CHECK_KIND
+
+    # The layout's verdict (_admission.py) is of the same kind; the check's is the one with "works".
+    found = [(i.key, e) for i in store.ls(VERIFY_CHECK_KIND)
+             if (e := store.get(i.key, kind=VERIFY_CHECK_KIND)) is not None and "works" in e.tensors]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _check_hits(store) -> int:
+    from promptstore.llm._verify import VERIFY_CHECK_KIND
+
+    return int(store.stats()["kinds"].get(VERIFY_CHECK_KIND, {}).get("hits", 0))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_on_full_attention_the_check_rides_in_the_requests_own_forward(attn, store):
+    """The self-test finds the in-forward check right on full attention: a hit then runs one forward, check included."""
+    model = counted(attn)
+    pc = PrefixCache(model, store=store, block_tokens=16)
+    assert pc.engine.checkable and pc.engine.check_in_forward
+    pc.prefill(IDS[:60])
+    seen = forwards(model)
+    logits = pc.prefill(IDS)[1]
+    assert pc.stats["last"]["served"] == 60 and pc.stats["last"]["verified"] == 1 and pc.stats["last"]["refuted"] == 0
+    assert len(seen.batches) == 1 and seen.tokens == len(IDS) - 60 + VERIFY_POSITIONS
+    assert float((logits - plain(model)).abs().max()) <= ATOL
+
+
+def test_the_verdict_is_stored_and_a_fresh_cache_reads_it_without_running_the_model(store):
+    from promptstore.llm._verify import VERIFY_CHECK_KIND
+
+    model = counted()
+    pc = PrefixCache(model, store=store, block_tokens=16)
+    # Both verdicts (the layout's and the check's) were looked up first: misses of their kind
+    assert store.stats()["kinds"][VERIFY_CHECK_KIND]["misses"] == 2 and "unknown" not in store.stats()["kinds"]
+    key, entry = _verdict_entry(store)
+    assert (entry.meta["works"], entry.meta["in_forward"]) == ("1", "1")
+    assert entry.tensors["works"].tolist() == [1, 1]
+    hits = _check_hits(store)
+    seen = forwards(model)
+    fresh = PrefixCache(model, store=store, block_tokens=16)  # its own engine: nothing remembered in process
+    assert not seen.batches, "the self-test ran again although its verdict was stored"
+    assert _check_hits(store) == hits + 2  # the layout's verdict and the check's
+    assert (fresh.engine.checkable, fresh.engine.check_in_forward) == (pc.engine.checkable, pc.engine.check_in_forward)
+    assert fresh.engine.check_in_forward
+    assert _verdict_entry(store)[0] == key
+
+
+def test_a_stored_verdict_decides_where_the_check_runs(store):
+    """The verdict in the store is what a fresh cache follows (as one stored for an architecture whose
+    in-forward check failed, or whose check cannot run at all)."""
+    from promptstore.llm._verify import VERIFY_CHECK_KIND
+
+    model = counted()
+    PrefixCache(model, store=store, block_tokens=16).prefill(IDS[:60])
+    key, _ = _verdict_entry(store)
+
+    def plant(works, in_forward):
+        store.put(key, {"works": np.array([works, in_forward], np.int8)}, kind=VERIFY_CHECK_KIND,
+                  meta={"works": str(works), "in_forward": str(in_forward)})
+        return PrefixCache(model, store=store, block_tokens=16)
+
+    alone = plant(1, 0)
+    assert alone.engine.checkable and not alone.engine.check_in_forward
+    seen = forwards(model)
+    logits = alone.prefill(IDS)[1]
+    # the check in a forward of its own (its positions only), then the request's tokens
+    assert seen.batches == [1, 1] and seen.tokens == VERIFY_POSITIONS + len(IDS) - 60
+    assert alone.stats["last"]["verified"] == 1 and alone.stats["last"]["served"] == 60
+    assert float((logits - plain(model)).abs().max()) <= ATOL
+
+    keys_only = plant(0, 0)
+    assert not keys_only.engine.checkable and not keys_only.engine.check_in_forward
+    seen = forwards(model)
+    logits = keys_only.prefill(IDS)[1]
+    assert len(seen.batches) == 1 and keys_only.stats["last"]["verified"] == 0
+    assert keys_only.stats["last"]["served"] == len(IDS) - 1 and float((logits - plain(model)).abs().max()) <= ATOL
+
+
+def test_a_fresh_process_reads_the_verdict_another_process_stored(tmp_path):
+    """The verdict's key is the same in every process: a second process neither probes nor stores it again."""
+    from promptstore.llm._verify import VERIFY_CHECK_KIND
+
+    folder = tmp_path / "store"
+    run_python(code=f"""
+        import sys
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from test_verify import tiny
+        from promptstore import PromptStore
+        from promptstore.llm import PrefixCache
+        with PromptStore({str(folder)!r}) as store:
+            assert PrefixCache(tiny(), store=store, block_tokens=16).engine.check_in_forward
+        """)
+    with PromptStore(folder) as store:
+        before = {i.key for i in store.ls(VERIFY_CHECK_KIND)}
+        assert len(before) == 2  # the layout's verdict and the check's
+        pc = PrefixCache(tiny(), store=store, block_tokens=16)
+        assert pc.engine.checkable and pc.engine.check_in_forward
+        assert {i.key for i in store.ls(VERIFY_CHECK_KIND)} == before
+        assert _check_hits(store) == 2 and store.stats()["kinds"][VERIFY_CHECK_KIND]["misses"] == 0
+
+
+def test_lookup_of_a_refuted_hit_is_a_miss(store, monkeypatch):
+    """lookup runs the check in a forward of its own: a hit that fails it returns nothing, as a miss does."""
+    model = tiny()
+    with defences("check", monkeypatch):
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        pc.prefill(IDS[:60])
+        assert pc.lookup(IDS)[1] == 60
+        undo = patch_silu(model)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert pc.lookup(IDS) == (None, 0)
+        finally:
+            undo()
+        assert len([w for w in caught if issubclass(w.category, PromptStoreWarning)]) == 1
+        cache, n = pc.lookup(IDS)  # back as it was: the check passes again
+        assert n == 60 and cache.get_seq_length() == 60
+
+
+def _zero_values(model, layer):
+    """A pruned layer: its value projection all zero, so the KV it stores has values of norm 0."""
+    proj = model.model.layers[layer].self_attn.v_proj
+    saved = proj.weight.detach().clone()
+    with torch.no_grad():
+        proj.weight.zero_()
+
+    def undo():
+        with torch.no_grad():
+            proj.weight.copy_(saved)
+    return undo
+
+
+def test_kv_of_norm_zero_passes_its_check_and_a_change_from_it_is_seen(store, monkeypatch):
+    """The relative error of all-zero stored values: 0 against zeros, past any bound against anything else."""
+    model = tiny()
+    unprune = _zero_values(model, -1)  # the last layer: nothing after it changes when its values do
+    with defences("check", monkeypatch):
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        assert pc.engine.checkable
+        pc.prefill(IDS[:60])
+        logits, caught = _serve(pc)
+        assert pc.stats["last"]["verified"] == 1 and pc.stats["last"]["refuted"] == 0 and not caught
+        assert pc.stats["last"]["served"] == 60 and float((logits - plain(model)).abs().max()) <= ATOL
+        unprune()  # weights edited in place: a blind key still names the pruned model
+        logits, caught = _serve(pc, IDS + [3])
+        assert pc.stats["last"]["refuted"] == 1 and len(caught) == 1
+        assert float((logits - plain(model, IDS + [3])).abs().max()) <= ATOL
+
+
+def test_a_float64_model_passes_its_check_and_sees_a_change(store, monkeypatch):
+    model = tiny().double()
+    with defences("check", monkeypatch):
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        assert pc.engine.checkable
+        pc.prefill(IDS[:60])
+        logits, caught = _serve(pc)
+        assert pc.stats["last"]["verified"] == 1 and pc.stats["last"]["refuted"] == 0 and not caught
+        assert float((logits - plain(model)).abs().max()) <= 1e-9
+        undo = patch_silu(model)
+        try:
+            logits, caught = _serve(pc, IDS + [3])
+            assert pc.stats["last"]["refuted"] == 1 and len(caught) == 1
+            assert float((logits - plain(model, IDS + [3])).abs().max()) <= 1e-9
+        finally:
+            undo()
+
+
+# -- where the check cannot run: served on the keys alone ---------------------------------------
+class PositionsFromItsCache(LlamaForCausalLM):
+    """A model whose forward takes positions from its cache's length, never from ``position_ids``
+    (as some remote code does): a plain prefill is exact, a check at scattered positions is not."""
+
+    def forward(self, input_ids=None, position_ids=None, cache=None, **kwargs):
+        return super().forward(input_ids=input_ids, cache=cache, **kwargs)
+
+
+def _served_on_keys_alone(model, store, prompts, atol):
+    pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
+    assert not pc.engine.checkable and not pc.engine.check_in_forward
+    _, entry = _verdict_entry(store)
+    assert (entry.meta["works"], entry.meta["in_forward"]) == ("0", "0") and entry.tensors["works"].tolist() == [0, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromptStoreWarning)
+        for ids in prompts:
+            logits = pc.prefill(ids)[1]
+            assert float((logits - plain(model, ids)).abs().max()) <= atol
+    assert pc.stats["total"]["served"] > 0 and pc.stats["total"]["verified"] == 0 and pc.stats["total"]["refuted"] == 0
+
+
+def test_a_model_whose_check_disagrees_unchanged_is_served_on_its_keys_alone(store):
+    from transformers import LlamaConfig
+
+    from models import TINY_LLAMA
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_LLAMA)
+    config._attn_implementation = "sdpa"
+    model = PositionsFromItsCache(config).eval()
+    _served_on_keys_alone(model, store, [IDS[:40], IDS, IDS[:50] + [7, 8]], ATOL)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "llama4_text"])  # ALiBi from a 2-D mask; chunked attention
+def test_architectures_the_check_cannot_run_on_are_served_on_their_keys_alone(model_type, store):
+    import llm_zoo
+
+    model, why = llm_zoo.build(model_type)
+    assert model is not None, why
+    _served_on_keys_alone(model, store, llm_zoo.prompts(llm_zoo.vocab_of(model)), llm_zoo.ATOL)
+
+
+def nemotron_without_mamba():
+    """Nemotron-H of one attention layer and one MLP layer: its cache keeps KV for one and nothing for the other."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import llm_zoo
+
+    config = AutoConfig.for_model("nemotron_h")
+    llm_zoo._shrink(config, 0, set())
+    config.layer_types, config.num_hidden_layers = ["full_attention", "mlp"], 2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_model_with_cache_less_layers_passes_its_check_and_sees_a_change(store, monkeypatch):
+    from promptstore.llm._verify import _layer_plan
+
+    model = nemotron_without_mamba()
+    assert _layer_plan(model) == (("full", "none"), None)
+    ids = np.random.default_rng(3).integers(1, 100, 50).tolist()
+    with defences("check", monkeypatch):
+        pc = PrefixCache(model, None, store=store, block_tokens=8, reuse="always")
+        assert pc.engine.checkable and not pc.engine.check_in_forward  # the check in a forward of its own
+        pc.prefill(ids[:40])
+        logits, caught = _serve(pc, ids)
+        assert pc.stats["last"]["verified"] == 1 and pc.stats["last"]["refuted"] == 0 and not caught
+        assert pc.stats["last"]["served"] == 40 and float((logits - plain(model, ids)).abs().max()) <= ATOL
+        # Its only KV is layer 0's, computed from the layer's input: a change must come before it to be seen.
+        proj = model.model.layers[0].mixer.k_proj.weight
+        with torch.no_grad():
+            proj.mul_(1.02)  # edited in place: a blind key still names the model as it was
+        try:
+            logits, caught = _serve(pc, ids + [5])
+            assert pc.stats["last"]["refuted"] == 1 and len(caught) == 1
+            assert float((logits - plain(model, ids + [5])).abs().max()) <= ATOL
+        finally:
+            with torch.no_grad():
+                proj.div_(1.02)

@@ -112,3 +112,30 @@ def test_the_feature_check_bites_at_its_bound():
     assert feature_error(a, a) == 0.0
     assert feature_error(a, a * (1 + 2 * FEATURE_TOLERANCE["float32"])) > FEATURE_TOLERANCE["float32"]
     assert feature_error(a, np.full(16, np.nan)) == float("inf")
+
+
+def test_the_feature_check_takes_the_bound_of_the_dtype_torch_names():
+    """Callers pass ``str(tensor.dtype)``: float32's bound for "torch.float32", the coarsest for a dtype it has none for."""
+    from promptstore.vision._verify import Refuted, check_feature
+
+    a = np.linspace(-1, 1, 16).astype(np.float32)
+    off = a * (1 + 1e-3)  # past float32's bound, within bfloat16's
+    with pytest.raises(Refuted):
+        check_feature("a prompt", a, off, "torch.float32")
+    with pytest.raises(Refuted):
+        check_feature("a prompt", a, off, "float32")
+    check_feature("a prompt", a, off, "torch.bfloat16")
+    check_feature("a prompt", a, off, "torch.float8_e4m3fn")  # no bound of its own: bfloat16's
+    with pytest.raises(Refuted):
+        check_feature("a prompt", a, a * (1 + 4 * FEATURE_TOLERANCE["bfloat16"]), "torch.float8_e4m3fn")
+
+
+def test_the_error_of_unit_norm_features_is_relative():
+    """Text features are L2-normalized: a rounding difference of one stands, a real one does not."""
+    a = np.random.default_rng(0).standard_normal(512)
+    a /= np.linalg.norm(a)
+    b = a.copy()
+    b[0] += 1e-6
+    assert feature_error(a, b) == pytest.approx(1e-6, rel=1e-6)
+    half = a * 0.5
+    assert feature_error(half, half * (1 + 1e-5)) == pytest.approx(1e-5, rel=1e-6)

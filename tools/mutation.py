@@ -142,13 +142,14 @@ GROUPS = [
         "promptstore/llm/_engine.py": tuple(f"Engine.{m}" for m in (
             "fingerprints", "root_key", "fits", "shared", "copy_tail", "read_blocks", "miss_cache")),
         "promptstore/llm/_request.py": tuple(f"Request.{m}" for m in (
-            "block_keys", "lookup_into", "tail_key", "store_blocks", "store_kv", "store_tail", "state_key",
+            "block_keys", "lookup", "lookup_into", "tail_key", "store_blocks", "store_kv", "store_tail", "state_key",
             "state_point", "store_state", "run")),
         "promptstore/llm/_states.py": ("state_layers", "read_states", "state_signature", "states_fit", "restore_states"),
         "promptstore/llm/_chunks.py": ("ChunkCache._chunk_key", "ChunkCache._place", "ChunkCache._choose", "_rotate",
                                        "ChunkCache._query_ranking", "ChunkCache._repair", "_kl"),
         "promptstore/llm/_buffers.py": ("KVBuffers._allocate", "copy_block")},
-          ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py", "tests/test_llm_states.py"),
+          ("tests/test_llm.py", "tests/test_chunks.py", "tests/test_llm_sliding.py", "tests/test_llm_states.py",
+           "tests/test_decide.py"),
           # SmolLM2 (real weights), the architecture zoo and the flash-kernel refusal take a minute
           # between them: a survivor would run them all, and they test no reuse path the tiny models miss.
           select="(not across_architectures or stablelm) and not smol and not flash_style and not seed_example"
@@ -187,7 +188,7 @@ GROUPS = [
     Group("verify", {
         "promptstore/llm/_verify.py": ("tolerance", "check_positions", "refuted", "refute", "confirm", "_layer_plan",
                                        "verifiable", "verify_served", "_relative", "works_on", "_self_test"),
-        "promptstore/llm/_request.py": ("Request.verified", "Request.lookup"),
+        "promptstore/llm/_request.py": ("Request.verified",),
         "promptstore/vision/_verify.py": ("feature_error", "check_feature")},
           ("tests/test_verify.py", "tests/test_vision_verify.py"),
           sample=4),
