@@ -428,7 +428,7 @@ def _snapshot_path(group: Group) -> Path:
 
 
 def _snapshot(group: Group) -> dict[str, str]:
-    """Statuses kept from earlier runs, of mutants whose function is still the code they were tested on.
+    """Statuses kept from earlier runs, of the group's mutants whose function is still the code they were tested on.
 
     The code is mutmut's hash of each function as the group's mutants were last generated (a
     run generates them from the sources first), so a changed function's results are dropped and
@@ -440,7 +440,8 @@ def _snapshot(group: Group) -> dict[str, str]:
         return {}
     hashes = _function_hashes(group)
     return {name: kept[0] for name, kept in data.get("results", {}).items()
-            if isinstance(kept, list) and len(kept) == 2 and hashes.get(name.split("__mutmut_")[0]) == kept[1]}
+            if isinstance(kept, list) and len(kept) == 2 and hashes.get(name.split("__mutmut_")[0]) == kept[1]
+            and any(fnmatch.fnmatchcase(name, p) for p in group.patterns)}  # a function moved to another group: not ours
 
 
 def save_results(group: Group) -> None:
