@@ -573,14 +573,29 @@ RESULTS_PAGE = REPO / "docs" / "development.md"
 MARKERS = ("<!-- mutation-results -->", "<!-- /mutation-results -->")
 
 
-def markdown(groups: list[Group]) -> str:
-    """The results block of docs/development.md: scores, then every equivalent mutant with its reason."""
+def _kept_lines(page: str, group: Group) -> tuple[list[str], list[str], list[str]]:
+    """The group's table row, untriaged survivors and equivalent mutants as ``page`` shows them (a run elsewhere)."""
+    row = [line for line in page.splitlines() if line.startswith(f"| `{group.name}`")]
+    ours = [line for line in page.splitlines() if line.startswith("- `")
+            and any(fnmatch.fnmatchcase(line[3:line.index("`", 3)], p) for p in group.patterns)]
+    survivor = [line[line.index("`", 3) + 1:].startswith(" (") for line in ours]  # equivalents: "- `name`: why"
+    return (row, [line for line, s in zip(ours, survivor, strict=True) if s],
+            [line for line, s in zip(ours, survivor, strict=True) if not s])
+
+
+def markdown(groups: list[Group], page: str = "") -> str:
+    """The results block of docs/development.md: scores, then every equivalent mutant with its reason.
+
+    A group with no results on this machine keeps what ``page`` (the block as it was) shows for it."""
     rows, listed, left = [], [], []
     for group in groups:
         equivalent = equivalent_now(group)
         t = tally(group, equivalent)
         if t is None:
-            rows.append(f"| `{group.name}`{_sampled(group)} | not run | | | | | |")
+            row, kept_left, kept_listed = _kept_lines(page, group)
+            rows += row or [f"| `{group.name}`{_sampled(group)} | not run | | | | | |"]
+            left += kept_left
+            listed += kept_listed
             continue
         older = " (older sources)" if sources_changed(group) else ""
         wide_caught, wide = _everything(group)
@@ -601,7 +616,7 @@ def markdown(groups: list[Group]) -> str:
 def update_docs(groups: list[Group]) -> None:
     text = RESULTS_PAGE.read_text()
     start, end = text.index(MARKERS[0]), text.index(MARKERS[1]) + len(MARKERS[1])
-    RESULTS_PAGE.write_text(text[:start] + markdown(groups) + text[end:])
+    RESULTS_PAGE.write_text(text[:start] + markdown(groups, text[start:end]) + text[end:])
 
 
 def main() -> None:
@@ -609,7 +624,7 @@ def main() -> None:
     parser.add_argument("groups", nargs="*", help=f"groups to run (default: all): {', '.join(BY_NAME)}")
     parser.add_argument("--report", action="store_true", help="only print the last runs' results")
     parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
-                        help="write the results into docs/development.md (Mutation testing)")
+                        help="write the results into docs/development.md (Mutation testing); alone, runs nothing")
     parser.add_argument("--recheck-equivalent", action="store_true",
                         help=f"also run the mutants listed in {EQUIVALENT.name} (skipped by default: they survive)")
     parser.add_argument("--all", action="store_true", help="every mutant, not a sample")
@@ -630,7 +645,7 @@ def main() -> None:
     if args.lock:
         print(f"{lock_equivalents(groups)} functions locked in {LOCK.name}")
         return
-    if not args.report:
+    if not args.report and not (args.docs and not args.groups):  # --docs alone writes what earlier runs found
         for group in groups:
             if run(group, args.recheck_equivalent, args.survivors, args.resume) not in (0,):
                 print(f"mutmut did not finish group {group.name}", file=sys.stderr)
