@@ -131,7 +131,7 @@ def main() -> None:
                             f"{mode}_storing_after_s": statistics.median(storing[mode])}
                 row["spread_plain_return"] = (max(t[1] for t in times["plain"]) - min(t[1] for t in times["plain"])) \
                     / row["plain_return_s"]
-                row["rho_measured"] = caches["auto"]._rates_here().rho()
+                row["rho_measured"] = caches["auto"].engine.rates().rho()
                 rows.append(row)
                 save_results(args.out, args.repeats, rows)
                 print(f"{length} tokens, {f}% stored: plain {row['plain_return_s']:.2f} s | auto "
