@@ -23,6 +23,7 @@ from promptstore.llm._chunks import (
     GUARD_EXACT_ABOVE,
     GUARD_FALL,
     GUARD_SAFETY,
+    _kl,
     _rotary_frequencies,
     _rotate,
 )
@@ -726,3 +727,15 @@ def test_generate_through_the_guards_straight_path_equals_model_generate(tiny, s
         assert out[0].tolist() == want[0].tolist(), order
         straight += cc.stats["last"]["recomputed"] == 0  # nothing stored was read: the straight path
     assert straight >= 3  # after three tries that ended exact
+
+
+def test_the_guards_kl_gives_tokens_a_model_rules_out_no_weight():
+    """Scores of -inf (a vocabulary row a model masks, a banned token) have probability 0 on both sides: they add
+    nothing to KL(p || q), which stays finite; the guard would otherwise read every such request as off by inf."""
+    p = torch.tensor([2.0, 0.5, float("-inf"), -1.0])
+    q = torch.tensor([1.5, 0.7, float("-inf"), -0.5])
+    lp, lq = torch.log_softmax(p[[0, 1, 3]].double(), -1), torch.log_softmax(q[[0, 1, 3]].double(), -1)
+    want = float((lp.exp() * (lp - lq)).sum())
+    assert want > 0 and abs(_kl(p, q) - want) < 1e-12
+    assert _kl(p, p) == 0.0
+    assert _kl(p, torch.tensor([1.5, 0.7, 0.0, -0.5])) < float("inf")  # q allows what p rules out: still finite
