@@ -1,4 +1,4 @@
-"""What naming the live model costs per request (issue #20), side by side in one process.
+"""What naming the live model costs per request, side by side in one process.
 
     python bench/identity_cost.py [--repeats 30] [--out bench/out]
 

@@ -1,4 +1,4 @@
-"""Why an exact pass over stored KV can cost more than a full prefill on this CPU (ChunkCache's guard, issue #25).
+"""Why an exact pass over stored KV can cost more than a full prefill on this CPU (ChunkCache's guard).
 
     python bench/tail_over_past.py [--prompts 4]
 

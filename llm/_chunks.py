@@ -15,8 +15,7 @@ A prompt is given as segments: an anchor (a system line), passages, and a questi
   tokens:
 
   - ``"recent"``: the moved tokens nearest the question (the question's queries lean most on the
-    context just before it). The default before issue #25; still the default for a model whose
-    queries ``"query"`` cannot read.
+    context just before it). The default for a model whose queries ``"query"`` cannot read.
   - ``"blend"`` (CacheBlend): the largest deviation of layer 1's values between the stored KV
     and this prompt, which costs one layer over the whole prompt to find.
   - ``"first"`` (EPIC): the first tokens of each moved passage.

@@ -2,7 +2,7 @@
 
 A fingerprint names the exact computation *as it runs now*, so any change that could change
 a KV tensor changes it too: weights however edited (hashed on every request; torch's version
-counters miss writes through ``param.data``, issue #10), every module setting, hooks,
+counters miss writes through ``param.data``), every module setting, hooks,
 adapters, training mode, the live code and registered attention functions, autocast and
 matmul precision. All of it comes from :mod:`promptstore._live`, which the vision adapter uses too.
 """

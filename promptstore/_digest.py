@@ -5,13 +5,13 @@ adapter looks at it. Names and tensors are framed with length prefixes, like key
 hold any character without colliding with the next field.
 
 Tensor bytes are never trusted from a memo by themselves: torch's version counters miss
-writes through ``param.data`` (issue #10). The one exception is proven by the kernel. A
+writes through ``param.data``. The one exception is proven by the kernel. A
 tensor that lies in a private mapping of a file (transformers and safetensors load weights
 that way) and whose pages are all still the file's pages (a write would have copied the
 page into anonymous memory, which ``/proc/self/pagemap`` shows) holds exactly the file's
 bytes at that offset. Their digest is then memoised by the file's identity (device, inode,
 size, mtime, ctime) in a small SQLite file shared by processes, so a fresh process names a
-model loaded from files without reading its weights (issue #12). The digest is the same
+model loaded from files without reading its weights. The digest is the same
 xxh3-128 either way: keys agree whether the bytes were hashed or their digest recalled.
 """
 

@@ -5,7 +5,7 @@ priority = clock + hits * max(cost_s, COST_FLOOR_S) / size. The victim is the lo
 longer block built on it is kept; the clock then rises to the victim's priority, which ages
 everything that has not been hit since. Expired entries go first, whatever their priority.
 
-Two rules make every tier decide alike (issue #11, tests/test_policy_differential.py):
+Two rules make every tier decide alike (tests/test_policy_differential.py):
 - a cost floor, so hits count even for entries stored with cost 0 (``import_npz`` stores
   such), and every hit strictly raises an entry's priority;
 - one victim order, :func:`victim_order`: lowest priority, then least recently hit, then

@@ -127,8 +127,7 @@ GROUPS = [
           ("tests/test_disk_reads.py", "tests/test_tiers.py", "tests/test_store.py", "tests/test_versions.py"),
           sample=2),
     # The Redis tier's shards on a real Redis Cluster: where a key lives, scripts run, chains across
-    # shards, follow-ups, a shard down. (The Lua inside the scripts' strings is not mutated: the planted
-    # bugs of issue #26 covered it by hand: see its closing note.)
+    # shards, follow-ups, a shard down. (The Lua inside the scripts' strings is not mutated.)
     Group("cluster", {"promptstore/_tiers/redis.py": (
               "RedisTier._shard", "RedisTier._sp", "RedisTier._k", "RedisTier._run", "RedisTier._pattern",
               "RedisTier._shard_of_key", "RedisTier._unshard", "RedisTier._scan", "RedisTier._follow",

@@ -148,7 +148,7 @@ class _BatchedEncoder:
             return np.zeros((0, self.dim), np.float32)
         tokens = self._tokenize(texts)
         # A text's length ends at its end-of-text token. Counting non-zero ids is wrong: id 0
-        # is a real BPE token ("!" before some punctuation, e.g. "stop!~"), issue #10.
+        # is a real BPE token ("!" before some punctuation, e.g. "stop!~").
         lengths = _eot_lengths(tokens, getattr(self, "eot_id", None))
         order = torch.argsort(lengths, stable=True)
         out = np.empty((len(texts), self.dim), np.float32)
@@ -278,7 +278,7 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
 
             try:
                 if self.pretrained is None:
-                    # The caller's random stream is left as it was (issue #10).
+                    # The caller's random stream is left as it was.
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(self.seed)
                         model = _random_text_tower(self._cfg).to(self.device)
