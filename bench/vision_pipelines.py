@@ -10,7 +10,9 @@ with a task prompt; SAM 3: ultralytics' builder (the 354M-parameter text encoder
 ``set_classes``, compared by its text embeddings. Per model, fresh processes (the model built and the pipeline made before the
 clock starts): the plain pipeline, and the served one over a store another process warmed with the
 same labels. Each times its first call (the headline) and ``--repeats`` more (steady state), on one
-image. Writes medians; the served outputs are compared with the plain ones (labels, scores).
+image. Writes medians; the served outputs are compared with the plain ones (labels, scores). Making
+the served pipeline describes its text tower (promptstore does it as it sets up), and the library's
+modules run from compiled bytecode, as an installed package's do (bench/_common.py compiles them).
 
 The served calls' **text cost**: wall time inside promptstore's text side during the call (the
 fingerprint of the live text tower, the store's reads, the rows assembled), summed over the outermost

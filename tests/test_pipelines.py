@@ -159,6 +159,24 @@ def test_a_text_weight_edit_misses_and_a_vision_edit_still_hits(tokenizers, stor
     same_scores(got, plain(picture, candidate_labels=LABELS))
 
 
+def test_what_changes_between_set_up_and_the_first_call_is_seen_by_that_call(tokenizers, store):
+    """A served pipeline names its text tower as it is made; a weight edited through ``.data`` (no
+    version counter moves) or a setting changed before its first call is seen by that call."""
+    model, images = classifier("clip")
+    Counting(model.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, picture = transformers_pipeline(CLASSIFY, **args), pictures(1)[0]
+    pipeline(CLASSIFY, store=store, **args)(picture, candidate_labels=LABELS)
+    for edit in (lambda: model.text_model.final_layer_norm.weight.data.mul_(1.5),
+                 lambda: setattr(model.text_model.final_layer_norm, "eps", 0.5)):
+        served = pipeline(CLASSIFY, store=store, **args)
+        edit()
+        with Counting(model.text_model.embeddings) as runs:
+            got = served(picture, candidate_labels=LABELS)
+        assert runs.rows == len(LABELS)
+        same_scores(got, plain(picture, candidate_labels=LABELS))
+
+
 def test_a_new_process_store_serves_every_label(tokenizers, tmp_path):
     model, images = classifier("siglip")
     Counting(model.text_model.embeddings)

@@ -15,7 +15,7 @@ import time
 import unicodedata
 import zipfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from promptstore import PromptStore, make_key
-from promptstore.errors import InvalidInputError, ModelUnavailableError
+from promptstore.errors import InvalidInputError, ModelUnavailableError, PromptStoreError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
 from ._verify import Refuted, check_feature, warn_refuted
@@ -192,6 +192,21 @@ class Recipes:
     def vocabulary(self, names: Sequence[str]) -> bytes:
         """An ordered vocabulary's embeddings, in one entry."""
         return self.store.key(SET_KIND, vocabulary_payload(names), fingerprints=[self.efp, str(self.dfp)])
+
+
+def describe_ahead(fingerprint: Callable[[], str]) -> None:
+    """Name a served model once as it is set up, so that its first call only re-checks the description.
+
+    A model's first fingerprint in a process imports the live-identity modules and describes every
+    module on the path (about 15 ms for CLIP's text tower); later ones re-check the reads that
+    description rests on and digest the weights, as they would anyway. Like a model's warm-up
+    forward, that first description is a cost of setting up, not of the first call. The weights are
+    still digested on every call, so an edit made after set-up is seen.
+    """
+    try:
+        fingerprint()
+    except PromptStoreError:
+        pass  # a model that cannot be named is refused, typed, by the call that needs the name
 
 
 def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,

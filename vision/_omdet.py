@@ -26,7 +26,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._classes import TEXT_KIND, Recipes
+from ._classes import TEXT_KIND, Recipes, describe_ahead
 from ._verify import Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
@@ -57,6 +57,7 @@ def serve_omdet(model: Any, store: PromptStore | None = None) -> Any:
         if isinstance(getattr(hook, "__self__", None), _Backbone):
             del model._forward_pre_hooks[hook_id]
     model.register_forward_pre_hook(side.new_call)
+    describe_ahead(side.fingerprint)
     return model
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._classes import TEXT_KIND, Recipes
+from ._classes import TEXT_KIND, Recipes, describe_ahead
 from ._verify import Refuted, check_feature, warn_refuted
 from ._zeroshot import _storable
 
@@ -89,6 +89,7 @@ def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, 
     methods = {k: v for k, v in vars(served).items() if not k.startswith("__")}
     pipe.__class__ = type(base.__name__, (base,), {**methods, "__module__": base.__module__})
     pipe._promptstore = _TextSide(pipe.model, _TASKS[task][family], store if store is not None else PromptStore())
+    describe_ahead(pipe._promptstore.fingerprint)
     return pipe
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._classes import TEXT_KIND, Recipes, check_names
+from ._classes import TEXT_KIND, Recipes, check_names, describe_ahead
 from ._verify import Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
@@ -51,6 +51,7 @@ def serve_sam3(model: Any, store: PromptStore | None = None) -> Any:
     side = _Sam3Text(model, store if store is not None else PromptStore())
     # An instance attribute: the predictors call self.model.set_classes(text=...).
     model.set_classes = side.set_classes
+    describe_ahead(side.fingerprint)
     return model
 
 
