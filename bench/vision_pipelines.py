@@ -7,12 +7,13 @@ Random weights at the released checkpoints' sizes, with the CLIP BPE tokenizer (
 DINO a small BERT vocabulary) built offline: the shapes and the cost are real. Grounding DINO:
 Swin-T and BERT-base; OmDet-Turbo: Swin-T and CLIP's text tower, the call ``model(**processor(...))``
 with a task prompt; SAM 3: ultralytics' builder (the 354M-parameter text encoder), the call
-``set_classes``, compared by its text embeddings. Per model, fresh processes (the model built and the pipeline made before the
-clock starts): the plain pipeline, and the served one over a store another process warmed with the
-same labels. Each times its first call (the headline) and ``--repeats`` more (steady state), on one
-image. Writes medians; the served outputs are compared with the plain ones (labels, scores). Making
-the served pipeline describes its text tower (promptstore does it as it sets up), and the library's
-modules run from compiled bytecode, as an installed package's do (bench/_common.py compiles them).
+``set_classes``, compared by its text embeddings. Per model, fresh processes (the model built
+before the clock starts): the plain pipeline, and the served one over a store another process
+warmed with the same labels. Each times making the pipeline (or serving the model: promptstore
+describes the text tower then), then its first call (the headline) and ``--repeats`` more (steady
+state), on one image. Writes medians; the served outputs are compared with the plain ones (labels,
+scores). The library's modules run from compiled bytecode, as an installed package's do
+(bench/_common.py compiles them).
 
 The served calls' **text cost**: wall time inside promptstore's text side during the call (the
 fingerprint of the live text tower, the store's reads, the rows assembled), summed over the outermost
@@ -158,10 +159,12 @@ def child(args: argparse.Namespace) -> None:
     text = text_side_timer() if args.mode == "served" else [0.0]
     with PromptStore(args.store) as store:
         served = args.mode == "served"
+        set_up = time.perf_counter()
         if task == "omdet":
             from promptstore.vision import serve_omdet
 
             detector = serve_omdet(model, store) if served else model
+            set_up = time.perf_counter() - set_up
             batch = images(images=[picture], text=[LABELS[:n]], task=["Detect {}.".format(", ".join(LABELS[:n]))],
                            return_tensors="pt")
 
@@ -174,6 +177,7 @@ def child(args: argparse.Namespace) -> None:
             from promptstore.vision import serve_sam3
 
             sam = serve_sam3(model, store) if served else model
+            set_up = time.perf_counter() - set_up
 
             def pipe(_):
                 sam.set_classes(LABELS[:n])
@@ -182,6 +186,7 @@ def child(args: argparse.Namespace) -> None:
             kwargs = dict(model=model, tokenizer=tokenizer, image_processor=images)
             call = dict(candidate_labels=LABELS[:n], **({"threshold": 0.0, "top_k": 10} if "detection" in task else {}))
             made = pipeline(task, store=store, **kwargs) if served else transformers_pipeline(task, **kwargs)
+            set_up = time.perf_counter() - set_up
 
             def pipe(image):
                 return made(image, **call)
@@ -192,7 +197,7 @@ def child(args: argparse.Namespace) -> None:
             outputs.append(pipe(picture))
             times.append(time.perf_counter() - t0)
             texts.append(text[0])
-    print(json.dumps({"first": times[0], "steady": times[1:], "text_first": texts[0], "text_steady": texts[1:],
+    print(json.dumps({"set_up": set_up, "first": times[0], "steady": times[1:], "text_first": texts[0], "text_steady": texts[1:],
                       "output": outputs[0]}))
 
 
@@ -235,7 +240,8 @@ def main() -> None:
             served = run(args, case, "served", folder / "store")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        row = {"case": case, "plain_first_s": plain["first"], "served_first_s": served["first"],
+        row = {"case": case, "plain_set_up_s": plain["set_up"], "served_set_up_s": served["set_up"],
+               "plain_first_s": plain["first"], "served_first_s": served["first"],
                "plain_steady_s": statistics.median(plain["steady"]), "served_steady_s": statistics.median(served["steady"]),
                "served_text_first_s": served["text_first"], "served_text_steady_s": statistics.median(served["text_steady"]),
                "same_output": close(plain["output"], served["output"])}
@@ -245,7 +251,8 @@ def main() -> None:
         print(f"{case:<28} first call {row['plain_first_s']:.3f} s plain, {row['served_first_s']:.3f} s served "
               f"({row['first_speedup']:.2f}x); steady {row['plain_steady_s']:.3f} / {row['served_steady_s']:.3f} s "
               f"({row['steady_speedup']:.2f}x); text side served {1e3 * row['served_text_first_s']:.1f} / "
-              f"{1e3 * row['served_text_steady_s']:.1f} ms; same output: {row['same_output']}", flush=True)
+              f"{1e3 * row['served_text_steady_s']:.1f} ms; set-up {row['plain_set_up_s']:.3f} / "
+              f"{row['served_set_up_s']:.3f} s; same output: {row['same_output']}", flush=True)
     save_results(args.out, args.repeats, rows)
 
 
