@@ -58,6 +58,7 @@ def serve_omdet(model: Any, store: PromptStore | None = None) -> Any:
             del model._forward_pre_hooks[hook_id]
     model.register_forward_pre_hook(side.new_call)
     describe_ahead(side.fingerprint)
+    side.new_call(model, ())  # the key itself is taken again by the first forward
     return model
 
 
