@@ -120,6 +120,20 @@ def test_an_edited_text_tower_misses_where_transformers_own_cache_serves_what_it
     assert (stale.decoder_class_logits - want.decoder_class_logits).abs().max().item() > 1e-4
 
 
+def test_an_edit_between_serving_and_the_first_call_is_seen_by_that_call(processor, store):
+    """serve_omdet names the language backbone as it serves it; an edit before the first forward misses."""
+    batch = inputs(processor, CLASSES[:2])
+    detect(serve_omdet(build(), store), batch)  # stored under the backbone as built
+    model = serve_omdet(build(), store)
+    edit(model)
+    edited = build()
+    edit(edited)
+    want, _ = detect(edited, batch)
+    got, rows = detect(model, batch)
+    assert rows == 2 + 1
+    same(got, want)
+
+
 def test_a_stored_value_that_differs_from_the_tower_now_is_recomputed(processor, store, monkeypatch):
     monkeypatch.setattr(omdet_module._Backbone, "fingerprint", lambda self: "omdet:blind")
     model = serve_omdet(build(), store)

@@ -161,14 +161,15 @@ def test_a_text_weight_edit_misses_and_a_vision_edit_still_hits(tokenizers, stor
 
 def test_what_changes_between_set_up_and_the_first_call_is_seen_by_that_call(tokenizers, store):
     """A served pipeline names its text tower as it is made; a weight edited through ``.data`` (no
-    version counter moves) or a setting changed before its first call is seen by that call."""
+    version counter moves), a setting or a hook changed before its first call is seen by that call."""
     model, images = classifier("clip")
     Counting(model.text_model.embeddings)
     args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
     plain, picture = transformers_pipeline(CLASSIFY, **args), pictures(1)[0]
     pipeline(CLASSIFY, store=store, **args)(picture, candidate_labels=LABELS)
     for edit in (lambda: model.text_model.final_layer_norm.weight.data.mul_(1.5),
-                 lambda: setattr(model.text_model.final_layer_norm, "eps", 0.5)):
+                 lambda: setattr(model.text_model.final_layer_norm, "eps", 0.5),
+                 lambda: model.text_model.final_layer_norm.register_forward_hook(lambda m, args, out: out + 0.25)):
         served = pipeline(CLASSIFY, store=store, **args)
         edit()
         with Counting(model.text_model.embeddings) as runs:

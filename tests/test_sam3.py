@@ -131,6 +131,25 @@ def test_an_edited_text_encoder_misses_and_equals_a_recompute(sam3, served):
             layer_norm.bias.copy_(original)
 
 
+def test_an_edit_between_serving_and_the_first_call_is_seen_by_that_call(sam3, store):
+    """serve_sam3 names the text side as it serves it; an edit before the first set_classes misses."""
+    model, _ = sam3
+    layer_norm = model.backbone.language_backbone.encoder.ln_final
+    original = layer_norm.bias.detach().clone()
+    try:
+        serve_sam3(model, store).set_classes(PROMPTS)  # stored under the encoder as built
+        served = serve_sam3(model, store)
+        with torch.no_grad():
+            layer_norm.bias.add_(0.3)
+        *got, rows = encoded(served, PROMPTS)
+        assert rows == len(PROMPTS)
+        same(got, stock(sam3, PROMPTS))
+    finally:
+        del model.set_classes
+        with torch.no_grad():
+            layer_norm.bias.copy_(original)
+
+
 def test_a_stored_prompt_that_differs_from_the_encoder_now_is_not_served(sam3, served, monkeypatch):
     monkeypatch.setattr(sam3_module._Sam3Text, "fingerprint", lambda self: "sam3:blind")
     encoded(served, PROMPTS[:2])
