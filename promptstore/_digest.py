@@ -18,6 +18,8 @@ xxh3-128 either way: keys agree whether the bytes were hashed or their digest re
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
 import os
 import re
 import sqlite3
@@ -27,10 +29,15 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
+
+try:
+    import fcntl
+except ImportError:  # not on Windows, where no mapping is proven
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["file_digest", "digest_tensors", "digest_memo_path", "derived_digest"]
 
@@ -39,10 +46,12 @@ __all__ = ["file_digest", "digest_tensors", "digest_memo_path", "derived_digest"
 _RACY_S = 2.0
 _MAPPED_MIN_BYTES = 1 << 16  # smaller tensors are hashed: cheaper than looking at their pages
 _PROOF_MIN_TOTAL = 64 << 20  # below this many candidate bytes, hashing them (~4 ms) beats reading the maps
+_SPAN_GAP_PAGES = 256  # ranges this close (1 MB) share one read of /proc/self/pagemap
 _KNOWN: Any = ("known",)  # a todo item whose digest was recalled
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+_Mapping = tuple[int, int, int, int, int, str]  # start, end, file offset, device, inode, path
 
 
 def digest_memo_path() -> Path | None:
@@ -201,79 +210,170 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 # A private mapping of a file: "start-end perms offset major:minor inode path".
 _MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) [r-][w-][x-]p ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) ([1-9][0-9]*) +(/.*)$",
                         re.MULTILINE)
+# A page present (bit 63) and still the file's (bit 61) in /proc/self/pagemap.
+_FILE_PAGE = np.uint64((1 << 63) | (1 << 61))
+
+
+class _ProcmapQuery(ctypes.Structure):
+    """``struct procmap_query`` (linux/fs.h): the mapping that covers one address."""
+
+    _fields_ = [("size", ctypes.c_uint64), ("query_flags", ctypes.c_uint64), ("query_addr", ctypes.c_uint64),
+                ("vma_start", ctypes.c_uint64), ("vma_end", ctypes.c_uint64), ("vma_flags", ctypes.c_uint64),
+                ("vma_page_size", ctypes.c_uint64), ("vma_offset", ctypes.c_uint64), ("inode", ctypes.c_uint64),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("vma_name_size", ctypes.c_uint32),
+                ("build_id_size", ctypes.c_uint32), ("vma_name_addr", ctypes.c_uint64), ("build_id_addr", ctypes.c_uint64)]
+
+
+# _IOWR('f', 17, struct procmap_query): Linux 6.11 and later answer it on /proc/self/maps.
+_PROCMAP_QUERY = (3 << 30) | (ctypes.sizeof(_ProcmapQuery) << 16) | (ord("f") << 8) | 17
+_VMA_SHARED = 0x08
+_procmap_query_works: bool | None = None  # learnt on first use: older kernels answer ENOTTY
 
 
 class _Pages:
     """Which private file mappings of this process still hold only the file's own pages (Linux).
 
-    Read once per :func:`digest_tensors` call: ``/proc/self/maps`` for the mappings, and
-    ``/proc/self/pagemap`` for the pages of each mapping a tensor lies in (8 bytes per 4 KB page).
+    A mapping is looked up by address: one ``PROCMAP_QUERY`` ioctl per mapping where the kernel
+    has it (a process holding torch has hundreds of mappings: reading and parsing all of
+    ``/proc/self/maps`` costs milliseconds), else ``/proc/self/maps`` read once. A range's pages
+    are read from ``/proc/self/pagemap`` (8 bytes per 4 KB page), the range's own pages only.
     """
 
     def __init__(self) -> None:
-        self.maps: list[tuple[int, int, int, int, int, str]] = []  # start, end, offset, dev, inode, path
+        self.maps: list[_Mapping] = []  # start, end, offset, dev, inode, path
         self.starts: list[int] = []
         self.pagemap: int | None = None
         self.stats: dict[str, os.stat_result | None] = {}
-        self._bad: dict[int, np.ndarray | None] = {}  # mapping start -> running count of pages not the file's
+        self._maps_fd: int | None = None
+        self._read_all = False
+        try:
+            self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+            self._maps_fd = os.open("/proc/self/maps", os.O_RDONLY)
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        for fd in (self.pagemap, self._maps_fd):
+            if fd is not None:
+                os.close(fd)
+        self.pagemap = self._maps_fd = None
+
+    def _known(self, addr: int) -> _Mapping | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return self.maps[i] if i >= 0 and addr < self.maps[i][1] else None
+
+    def _add(self, mapping: _Mapping) -> None:
+        i = bisect.bisect_right(self.starts, mapping[0])
+        self.maps.insert(i, mapping)
+        self.starts.insert(i, mapping[0])
+
+    def _query(self, addr: int) -> _Mapping | None | Literal[False]:
+        """The private file mapping covering ``addr`` from the kernel, None if none; False: not answerable."""
+        global _procmap_query_works
+        if _procmap_query_works is False or self._maps_fd is None or fcntl is None:
+            return False
+        name = ctypes.create_string_buffer(4096)
+        q = _ProcmapQuery(size=ctypes.sizeof(_ProcmapQuery), query_addr=addr, vma_name_size=len(name),
+                          vma_name_addr=ctypes.addressof(name))
+        try:
+            fcntl.ioctl(self._maps_fd, _PROCMAP_QUERY, q)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:  # nothing mapped there
+                _procmap_query_works = True
+                return None
+            _procmap_query_works = False  # ENOTTY, EINVAL: a kernel without it
+            return False
+        _procmap_query_works = True
+        path = name.value.decode("utf-8", "surrogateescape") if q.vma_name_size else ""
+        if q.vma_flags & _VMA_SHARED or not q.inode or not path.startswith("/"):
+            return None
+        return (q.vma_start, q.vma_end, q.vma_offset, os.makedev(q.dev_major, q.dev_minor), q.inode, path)
+
+    def _read_maps(self) -> None:
+        self._read_all = True
         try:
             with open("/proc/self/maps") as f:
                 text = f.read()
             for m in _MAPS_LINE.finditer(text):
                 start, end, offset, major, minor = (int(m.group(i), 16) for i in range(1, 6))
-                self.maps.append((start, end, offset, os.makedev(major, minor), int(m.group(6)), m.group(7)))
-            self.maps.sort()
-            self.starts = [m[0] for m in self.maps]
-            self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
-        except (OSError, ValueError, IndexError, AttributeError):
-            self.maps, self.starts = [], []
+                if self._known(start) is None:
+                    self._add((start, end, offset, os.makedev(major, minor), int(m.group(6)), m.group(7)))
+        except (OSError, ValueError):
+            pass
 
-    def close(self) -> None:
-        if self.pagemap is not None:
-            os.close(self.pagemap)
-            self.pagemap = None
+    def _mapping(self, addr: int) -> _Mapping | None:
+        found = self._known(addr)
+        if found is not None or self._read_all:
+            return found
+        asked = self._query(addr)
+        if asked is False:
+            self._read_maps()
+            return self._known(addr)
+        if asked is None:
+            return None
+        self._add(asked)
+        return asked
 
-    def _bad_pages(self, start: int, end: int) -> np.ndarray | None:
-        if start not in self._bad:
-            assert self.pagemap is not None
-            n = (end - start) // _PAGE
-            try:
-                raw = os.pread(self.pagemap, n * 8, start // _PAGE * 8)
-            except OSError:
-                raw = b""
-            if len(raw) != n * 8:
-                self._bad[start] = None
+    def _file_pages(self, first: int, last: int) -> np.ndarray | None:
+        """Per page from ``first`` to ``last`` (page numbers): present and still the file's.
+
+        A write copies the page into anonymous memory (no longer a file page; swapped out
+        later). A page not present is hashed rather than trusted: a /proc that reports nothing
+        must never read as clean.
+        """
+        assert self.pagemap is not None
+        try:
+            raw = os.pread(self.pagemap, (last - first + 1) * 8, first * 8)
+        except OSError:
+            return None
+        if len(raw) != (last - first + 1) * 8:
+            return None
+        good: np.ndarray = (np.frombuffer(raw, "<u8") & _FILE_PAGE) == _FILE_PAGE
+        return good
+
+    def file_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[Identity, int] | None]:
+        """Per ``(address, length)``: (identity of the file, offset) whose bytes these are, if every
+        page is still the file's; else None.
+
+        Ranges in one mapping close to each other share one read of their pages (a model's tensors
+        lie one after another in its file: one read instead of one per tensor).
+        """
+        out: list[tuple[Identity, int] | None] = [None] * len(ranges)
+        if self.pagemap is None:
+            return out
+        spans: list[tuple[int, int, list[int]]] = []  # first page, last page, indices of the ranges in it
+        for i in sorted(range(len(ranges)), key=lambda j: ranges[j][0]):
+            addr, nbytes = ranges[i]
+            mapping = self._mapping(addr) if nbytes > 0 else None
+            if mapping is None or addr + nbytes > mapping[1]:
+                continue
+            start, _end, offset, dev, ino, path = mapping
+            if path not in self.stats:
+                try:
+                    self.stats[path] = os.stat(path)
+                except OSError:
+                    self.stats[path] = None
+            st = self.stats[path]
+            if st is None or st.st_ino != ino or st.st_dev != dev:
+                continue  # replaced or deleted since it was mapped
+            out[i] = (_identity(st), offset + (addr - start))
+            first, last = addr // _PAGE, (addr + nbytes - 1) // _PAGE
+            if spans and spans[-1][1] + _SPAN_GAP_PAGES >= first:  # holes between mappings read as not present
+                spans[-1] = (spans[-1][0], max(spans[-1][1], last), [*spans[-1][2], i])
             else:
-                e = np.frombuffer(raw, "<u8")
-                # Proven only for a page present and still the file's: a write copies the page into
-                # anonymous memory (no longer a file page; swapped out later). A page not present is
-                # hashed rather than trusted: a /proc that reports nothing must never read as clean.
-                present, file_page = e >> np.uint64(63), (e >> np.uint64(61)) & 1
-                bad = ((present & file_page) ^ 1).astype(np.int64)
-                self._bad[start] = np.concatenate([[0], np.cumsum(bad)])
-        return self._bad[start]
+                spans.append((first, last, [i]))
+        for first, last, members in spans:
+            good = self._file_pages(first, last)
+            for i in members:
+                addr, nbytes = ranges[i]
+                lo, hi = addr // _PAGE - first, (addr + nbytes - 1) // _PAGE - first
+                if good is None or not good[lo:hi + 1].all():
+                    out[i] = None
+        return out
 
     def file_range(self, addr: int, nbytes: int) -> tuple[Identity, int] | None:
         """(identity of the file, offset) whose bytes these are, if every page is still the file's."""
-        if self.pagemap is None:
-            return None
-        i = bisect.bisect_right(self.starts, addr) - 1
-        if i < 0 or addr + nbytes > self.maps[i][1]:
-            return None
-        start, end, offset, dev, ino, path = self.maps[i]
-        if path not in self.stats:
-            try:
-                self.stats[path] = os.stat(path)
-            except OSError:
-                self.stats[path] = None
-        st = self.stats[path]
-        if st is None or st.st_ino != ino or st.st_dev != dev:
-            return None  # replaced or deleted since it was mapped
-        bad = self._bad_pages(start, end)
-        first, last = (addr - start) // _PAGE, (addr + nbytes - 1 - start) // _PAGE
-        if bad is None or bad[last + 1] != bad[first]:
-            return None
-        return _identity(st), offset + (addr - start)
+        return self.file_ranges([(addr, nbytes)])[0]
 
 
 def _frame(h: xxhash.xxh3_128, data: bytes) -> None:
@@ -400,14 +500,15 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
                 continue
             todo.append((len(fields), data, None))
             fields.append(b"")  # its digest, filled in below
-        # The page proof reads /proc/self/maps (~5 ms in a process holding torch): worth it only
-        # when it can spare hashing more bytes than that costs (a YOLOE head's 1 MB is hashed).
+        # The page proof may read all of /proc/self/maps (~3 ms in a process holding torch, on kernels
+        # without PROCMAP_QUERY): worth it only when it spares hashing more bytes than that costs
+        # (a YOLOE head's 1 MB is hashed).
         mapped = [i for i, (_, data, _) in enumerate(todo) if data.size >= _MAPPED_MIN_BYTES]
         if sys.platform.startswith("linux") and sum(todo[i][1].size for i in mapped) >= _PROOF_MIN_TOTAL:
             pages = _Pages()
-            for i in mapped:
+            found = pages.file_ranges([(todo[i][1].__array_interface__["data"][0], todo[i][1].size) for i in mapped])
+            for i, where in zip(mapped, found, strict=True):
                 slot, data, _ = todo[i]
-                where = pages.file_range(data.__array_interface__["data"][0], data.size)
                 known = _memo.get(where[0], where[1], data.size) if where is not None else None
                 if known is not None:
                     fields[slot] = known

@@ -170,6 +170,58 @@ def test_a_mapped_weight_written_only_in_its_last_page_gets_a_fresh_digest(weigh
         del w, whole
 
 
+@pytest.fixture(params=["query", "maps"])
+def lookup(request, monkeypatch):
+    """Mappings found by the kernel's PROCMAP_QUERY (Linux 6.11+), or by reading /proc/self/maps whole."""
+    if request.param == "maps":
+        monkeypatch.setattr(digest, "_procmap_query_works", False)
+    else:
+        probe = digest._Pages()
+        probe._mapping(id(probe))  # an address in this process's heap
+        probe.close()
+        if digest._procmap_query_works is False:
+            pytest.skip("this kernel has no PROCMAP_QUERY")
+    return request.param
+
+
+def test_both_lookups_find_the_same_mapping_and_offset(weights_file, lookup):
+    t = _mapped(weights_file)
+    pages = digest._Pages()
+    try:
+        whole = pages.file_range(t.data_ptr(), N * 4)
+        inner = pages.file_range(t.data_ptr() + 3 * digest._PAGE + 8, 5000)
+        assert whole is not None and inner is not None and whole[0] == inner[0]
+        assert whole[1] == 0 and inner[1] == 3 * digest._PAGE + 8
+        assert pages.file_range(t.data_ptr() + 4, N * 4) is None  # runs past the mapping's end
+        anon = torch.zeros(N)
+        assert pages.file_range(anon.data_ptr(), N * 4) is None
+    finally:
+        pages.close()
+    assert digest._procmap_query_works is (lookup == "query")
+
+
+def test_a_shared_mapping_is_never_proven(weights_file, lookup):
+    """A shared mapping's writes land in the file's own pages (still file pages): only private ones prove bytes."""
+    t = torch.from_file(str(weights_file), shared=True, size=N, dtype=torch.float32)
+    t.sum()
+    pages = digest._Pages()
+    try:
+        assert pages.file_range(t.data_ptr(), N * 4) is None
+    finally:
+        pages.close()
+    before = digest_tensors("w", [("w", t)])
+    t[12345] += 1.0
+    assert digest_tensors("w", [("w", t)]) == digest_tensors("w", [("w", t.clone())]) != before
+
+
+def test_a_write_is_seen_whichever_lookup_found_the_mapping(weights_file, lookup):
+    t = _mapped(weights_file)
+    remembered = digest_tensors("w", [("w", t)])
+    assert digest_tensors("w", [("w", t)]) == remembered == digest_tensors("w", [("w", t.clone())])
+    t.data[N // 2] += 1.0
+    assert digest_tensors("w", [("w", t)]) == digest_tensors("w", [("w", t.clone())]) != remembered
+
+
 @pytest.mark.parametrize("lib", ["torch", "numpy"])
 @pytest.mark.parametrize("shape", [(4, 4), (3, 5)], ids=["square", "oblong"])
 def test_a_tensor_listed_with_its_transpose_is_not_tied_to_it(lib, shape):
