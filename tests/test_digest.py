@@ -200,6 +200,22 @@ def test_both_lookups_find_the_same_mapping_and_offset(weights_file, lookup):
     assert digest._procmap_query_works is (lookup == "query")
 
 
+@pytest.mark.parametrize("written", [0, 1, 2, 3])
+def test_many_tensors_of_one_file_in_any_order_each_see_their_own_writes(weights_file, written):
+    """A model's tensors lie one after another in its file and are listed in another order: the
+    pages of neighbouring ones are read together, and each is still proven by its own pages only."""
+    t = _mapped(weights_file)
+    page = digest._PAGE // 4  # floats per page
+    parts = [("far", t[200 * page:260 * page]), ("a", t[0:20 * page + 7]), ("c", t[40 * page:60 * page]),
+             ("b", t[20 * page + 7:30 * page])]  # b starts inside a's last page; c lies 10 pages on
+    before = digest_tensors("w", parts)
+    assert digest_tensors("w", parts) == before == digest_tensors("w", [(n, x.clone()) for n, x in parts])
+    name, part = parts[written]
+    part.data[-1] += 1.0  # the last element of one tensor: its last page only
+    after = digest_tensors("w", parts)
+    assert after == digest_tensors("w", [(n, x.clone()) for n, x in parts]) != before, name
+
+
 def test_a_shared_mapping_is_never_proven(weights_file, lookup):
     """A shared mapping's writes land in the file's own pages (still file pages): only private ones prove bytes."""
     t = torch.from_file(str(weights_file), shared=True, size=N, dtype=torch.float32)
