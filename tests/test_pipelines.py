@@ -178,6 +178,50 @@ def test_what_changes_between_set_up_and_the_first_call_is_seen_by_that_call(tok
         same_scores(got, plain(picture, candidate_labels=LABELS))
 
 
+@pytest.mark.parametrize("edit", ["data", "numpy", "file"])
+def test_a_tower_loaded_from_files_is_named_by_its_pages_and_any_write_misses(edit, tokenizers, tmp_path, monkeypatch):
+    """Weights ``from_pretrained`` leaves mapped from the file are named by the kernel's page proof,
+    not hashed; a write through ``.data``, through a numpy view, or to the file itself is seen."""
+    import promptstore._digest as digest
+
+    monkeypatch.setattr(digest, "_PROOF_MIN_TOTAL", 0)  # a small tower: use the proof as for a real one
+    monkeypatch.setattr(digest, "_RACY_S", 0.0)  # saved just now: let its digests be remembered
+    monkeypatch.setenv("PROMPTSTORE_DIGESTS", str(tmp_path / "digests.sqlite3"))
+    built, images = classifier("clip")
+    built.save_pretrained(tmp_path / "model")
+    model = CLIPModel.from_pretrained(tmp_path / "model").eval()
+    embedding = model.text_model.embeddings.token_embedding.weight
+    embedding.sum()  # its pages read in, as a loaded model's are
+    pages = digest._Pages()
+    assert pages.file_range(embedding.data_ptr(), embedding.numel() * 4) is not None, "not file-mapped"
+    pages.close()
+    Counting(model.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, picture = transformers_pipeline(CLASSIFY, **args), pictures(1)[0]
+    served = pipeline(CLASSIFY, store=PromptStore(tmp_path / "store"), **args)
+    served(picture, candidate_labels=LABELS)
+    with Counting(model.text_model.embeddings) as runs:
+        served(picture, candidate_labels=LABELS)
+    assert runs.rows == 0
+    ids = tokenizers["classify"](LABELS[0])["input_ids"]
+    row = ids[1]  # the first label's first word: every call reads this row
+    if edit == "data":
+        embedding.data[row] += 0.5  # no version counter moves
+    elif edit == "numpy":
+        embedding.detach().numpy()[row] += 0.5
+    else:
+        with open(tmp_path / "model" / "model.safetensors", "r+b") as f:  # pages not yet copied follow the file
+            header = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(header))["text_model.embeddings.token_embedding.weight"]
+            f.seek(8 + header + meta["data_offsets"][0] + row * embedding.shape[1] * 4)
+            f.write(np.full(embedding.shape[1], 3.0, np.float32).tobytes())
+        assert float(embedding[row, 0]) == 3.0
+    with Counting(model.text_model.embeddings) as runs:
+        got = served(picture, candidate_labels=LABELS)
+    assert runs.rows == len(LABELS)
+    same_scores(got, plain(picture, candidate_labels=LABELS))
+
+
 def test_a_new_process_store_serves_every_label(tokenizers, tmp_path):
     model, images = classifier("siglip")
     Counting(model.text_model.embeddings)
