@@ -102,6 +102,18 @@ def test_transformers_own_caches_thrash_over_cache_size(processor):
     assert rows > 0  # what serve_omdet removes: an LRU of 3 classes cycling through 5
 
 
+def served_as_edited(model, batch):
+    """``model`` (served, edited) detects as a plain detector edited the same way, encoding both classes
+    and one check; returns what the edited detector gives."""
+    edited = build()
+    edit(edited)
+    want, _ = detect(edited, batch)
+    got, rows = detect(model, batch)
+    assert rows == 2 + 1
+    same(got, want)
+    return want
+
+
 def test_an_edited_text_tower_misses_where_transformers_own_cache_serves_what_it_computed_before(processor, store):
     batch = inputs(processor, CLASSES[:2])  # within cache_size: transformers' own caches keep every value
     plain, model = build(), serve_omdet(build(), store)
@@ -109,12 +121,7 @@ def test_an_edited_text_tower_misses_where_transformers_own_cache_serves_what_it
     detect(model, batch)
     edit(plain)
     edit(model)
-    edited = build()
-    edit(edited)
-    want, _ = detect(edited, batch)
-    got, rows = detect(model, batch)
-    assert rows == 2 + 1
-    same(got, want)
+    want = served_as_edited(model, batch)
     stale, rows = detect(plain, batch)  # its own caches, keyed by token ids only, serve the old values
     assert rows == 0
     assert (stale.decoder_class_logits - want.decoder_class_logits).abs().max().item() > 1e-4
@@ -126,12 +133,7 @@ def test_an_edit_between_serving_and_the_first_call_is_seen_by_that_call(process
     detect(serve_omdet(build(), store), batch)  # stored under the backbone as built
     model = serve_omdet(build(), store)
     edit(model)
-    edited = build()
-    edit(edited)
-    want, _ = detect(edited, batch)
-    got, rows = detect(model, batch)
-    assert rows == 2 + 1
-    same(got, want)
+    served_as_edited(model, batch)
 
 
 def test_a_stored_value_that_differs_from_the_tower_now_is_recomputed(processor, store, monkeypatch):
