@@ -381,24 +381,42 @@ def _frame(h: xxhash.xxh3_128, data: bytes) -> None:
     h.update(data)
 
 
-def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, np.ndarray | _DeviceSums]:
+class _Host:
+    """A host tensor's bytes: where they lie and how many, read in place only when hashed (a
+    tensor the page proof names is never read; a numpy view per tensor cost CLIP's text tower ~1 ms a call)."""
+
+    __slots__ = ("address", "size", "_source")
+
+    def __init__(self, address: int, size: int, source: Any) -> None:
+        self.address, self.size = address, size
+        self._source = source  # keeps the memory alive while this names it
+
+    def buffer(self) -> Any:
+        """The bytes, without a copy: a flat uint8 array, or the memory at ``address`` (a CPU tensor)."""
+        if isinstance(self._source, np.ndarray):
+            return self._source.data
+        return (ctypes.c_char * self.size).from_address(self.address) if self.size else b""
+
+
+def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
     """(dtype name, shape, identity, bytes) of a numpy array or a torch tensor."""
     if isinstance(t, np.ndarray):
-        arr = np.ascontiguousarray(t)
+        arr = np.ascontiguousarray(t).reshape(-1).view(np.uint8)
         ident = (t.__array_interface__["data"][0], t.dtype.str, t.shape, t.strides)
-        return t.dtype.str, tuple(t.shape), ident, arr.reshape(-1).view(np.uint8)
+        return t.dtype.str, tuple(t.shape), ident, _Host(arr.__array_interface__["data"][0], arr.size, arr)
     torch = sys.modules.get("torch")  # a tensor means torch is loaded: the core never imports it
     if torch is None or not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
-    t = t.detach()
-    ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-    flat = t.contiguous().reshape(-1)  # reshape: 0-dim tensors too (Gemma's embed_scale)
+    shape = tuple(t.shape)
+    ident = (t.data_ptr(), t.dtype, shape, tuple(t.stride()))
+    if t.is_cpu and t.is_contiguous():
+        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t)
+    flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         # Copying every weight to the host on every request would cost more than the hit saves
         # (16 GB for an 8B fp16 model): reduce on the device, bring 16 bytes back.
-        return f"{t.dtype}@device", tuple(t.shape), ident, _DeviceSums(_device_sums(torch, flat))
-    data = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
-    return str(t.dtype), tuple(t.shape), ident, data
+        return f"{t.dtype}@device", shape, ident, _DeviceSums(_device_sums(torch, flat))
+    return str(t.dtype), shape, ident, _Host(flat.data_ptr(), flat.nbytes, flat)
 
 
 _CHUNK_WORDS = 1 << 24  # 16M words per step: temporaries of 64 MB at most
@@ -456,7 +474,9 @@ def _device_sums(torch: Any, flat: Any) -> Any:
     return sums
 
 
-def _hash_bytes(data: np.ndarray) -> bytes:
+def _hash_bytes(data: np.ndarray | _Host) -> bytes:
+    if isinstance(data, _Host):
+        return xxhash.xxh3_128_digest(data.buffer())
     return xxhash.xxh3_128_digest(data.data) if data.size else xxhash.xxh3_128_digest(b"")
 
 
@@ -506,7 +526,7 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
         mapped = [i for i, (_, data, _) in enumerate(todo) if data.size >= _MAPPED_MIN_BYTES]
         if sys.platform.startswith("linux") and sum(todo[i][1].size for i in mapped) >= _PROOF_MIN_TOTAL:
             pages = _Pages()
-            found = pages.file_ranges([(todo[i][1].__array_interface__["data"][0], todo[i][1].size) for i in mapped])
+            found = pages.file_ranges([(todo[i][1].address, todo[i][1].size) for i in mapped])
             for i, where in zip(mapped, found, strict=True):
                 slot, data, _ = todo[i]
                 known = _memo.get(where[0], where[1], data.size) if where is not None else None
