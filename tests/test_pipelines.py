@@ -260,6 +260,47 @@ def test_zero_shot_detection_equals_transformers_and_runs_the_image_tower_once_p
         same_scores(got, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["owlv2", "grounding_dino"])
+def test_a_detection_call_names_its_text_side_once_and_every_call_anew(family, tokenizers, store, monkeypatch):
+    if family == "grounding_dino":
+        model, tokenizer, images = grounding()
+        tower = model.model.text_backbone
+    else:
+        model, images = detector(family)
+        tokenizer, tower = tokenizers["detect"], text_tower(model)
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    named = []
+    real = pipelines_module._TextSide.fingerprint
+    monkeypatch.setattr(pipelines_module._TextSide, "fingerprint", lambda self: (named.append(1), real(self))[1])
+    picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    for calls in (1, 2):  # a miss, then a hit: one name per call, not per label
+        same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
+        assert len(named) == calls
+    with torch.no_grad():  # between calls: the next call names the edited tower
+        next(tower.parameters()).add_(0.25)
+    want = plain(picture, **call)
+    with Counting(tower.embeddings) as runs:
+        same_scores(served(picture, **call), want, atol=1e-5)
+    assert runs.rows == len(LABELS) and len(named) == 3
+
+
+def test_a_detection_call_cut_short_leaves_nothing_a_later_call_of_the_same_image_reuses(tokenizers, store):
+    model, images = detector("owlv2")
+    Counting(model.owlv2.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    with Counting(model.owlv2.text_model.embeddings) as runs:
+        runs.stop_after(2)  # Ctrl-C at the second label, after the first label's image tower ran
+        with pytest.raises(KeyboardInterrupt):
+            served(picture, **call)
+    with torch.no_grad():  # the image tower and the text tower edited before the same image is asked again
+        model.owlv2.vision_model.post_layernorm.bias.add_(0.5)
+        model.owlv2.text_model.final_layer_norm.bias.add_(0.5)
+    same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
+
+
 def test_a_stored_label_that_differs_from_the_tower_now_is_not_served(tokenizers, store, monkeypatch):
     model, images = classifier("clip")
     args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)

@@ -18,6 +18,9 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 - ``zero-shot-object-detection``: OWL-ViT and OWLv2. transformers' pipeline runs the detector once
   per label, image tower included; here the image tower runs once per image and each label reuses
   its feature map (the heads are computed per label as before).
+- A detection call runs a forward per label, yet it is named once, at its first label, as one
+  forward over all its labels would be (the classification pipeline's): an edit to the model made
+  during a call, which only a hook or another thread can make, is seen from the next call.
 - ``zero-shot-object-detection``: Grounding DINO. Its feature enhancer fuses text with the image, so
   only the text backbone's output (every token's hidden state) is stored, keyed by the label's
   token ids and token types, the special tokens that shape its attention masks and ``max_text_len``;
@@ -106,6 +109,7 @@ class _TextSide:
         self.model, self.path, self.store = model, path, store
         self.encoded = 0  # rows the tower computed (probes included)
         self.served = 0  # rows served from the store
+        self._call: tuple[Any, str] | None = None  # (the call's token, its fingerprint) while its forwards may share it
 
     @property
     def tower(self) -> Any:
@@ -124,15 +128,35 @@ class _TextSide:
                  if hasattr(owner, "special_tokens") else "")
         return f"hf-text:{type(self.model).__qualname__}.{self.path}:device={device}:{live}{extra}:{ambient_identity()}"
 
-    def pooled(self, input_ids: Any, attention_mask: Any | None) -> Any:
+    def call_fingerprint(self, call: Any) -> str:
+        """The fingerprint for one forward of a pipeline call that runs a forward per label.
+
+        ``call`` is an object all of one call's forwards hold and nothing else does. The call is
+        named once, at its first forward, as one forward over all its labels would be (the
+        classification pipeline's): the image tower also runs once per call. An edit to the model
+        made during a call (only a hook or another thread can make one) is seen from the next call.
+        """
+        memo = self._call
+        if memo is not None and memo[0] is call:
+            return memo[1]
+        fp = self.fingerprint()
+        self._call = (call, fp)
+        return fp
+
+    def end_call(self) -> None:
+        """The call's last forward is done: its name is not reused."""
+        self._call = None
+
+    def pooled(self, input_ids: Any, attention_mask: Any | None, fingerprint: str | None = None) -> Any:
         """The tower's pooled output for every row of ``input_ids``, as ``tower(...).pooler_output`` gives it.
 
         A row's key is its token ids (cut to its attention mask when there is one; else the whole
-        padded row, which the tower attends to), under the tower's fingerprint.
+        padded row, which the tower attends to), under the tower's fingerprint (``fingerprint``, or
+        named now).
         """
         import torch
 
-        recipes = Recipes(self.store, self.fingerprint())
+        recipes = Recipes(self.store, fingerprint if fingerprint is not None else self.fingerprint())
         dtype = next(self.tower.parameters()).dtype
         names = [_row_name(input_ids[i], None if attention_mask is None else attention_mask[i])
                  for i in range(input_ids.shape[0])]
@@ -167,8 +191,9 @@ class _TextSide:
         device = input_ids.device
         return torch.stack([found[n] for n in names]).to(device=device, dtype=dtype)
 
-    def grounded(self, model_inputs: Any) -> Any:
-        """Grounding DINO's forward on one label, its text backbone's hidden states from the store."""
+    def grounded(self, model_inputs: Any, fingerprint: str) -> Any:
+        """Grounding DINO's forward on one label, its text backbone's hidden states from the store
+        (keyed under ``fingerprint``, the backbone's)."""
         import torch
 
         ids = model_inputs["input_ids"]
@@ -176,7 +201,7 @@ class _TextSide:
         if ids.shape[0] != 1:
             with torch.no_grad():
                 return self.model(**model_inputs)
-        recipes = Recipes(self.store, self.fingerprint())
+        recipes = Recipes(self.store, fingerprint)
         name = _row_name(ids[0], None) + ("" if types is None else "|types:" + ",".join(map(str, types[0].tolist())))
         dtype = next(self.tower.parameters()).dtype
         entry = self.store.get(recipes.text(name), kind=TEXT_KIND)
@@ -285,37 +310,51 @@ class _Classifier:
 
 
 class _Detector:
-    """``ZeroShotObjectDetectionPipeline._forward`` (OWL) with the query from the store and the image
-    tower run once per image: every label of one image reuses its feature map."""
+    """``ZeroShotObjectDetectionPipeline._forward`` with the text side from the store, named once per
+    call (:meth:`_TextSide.call_fingerprint`); for OWL the image tower runs once per call, every label
+    of the image reusing its feature map."""
 
     _promptstore: _TextSide
-    _image_memo: tuple[Any, Any] | None = None
+    _image_memo: tuple[Any, Any, Any] | None = None  # (the call's token, pixel values, image tower's output)
 
     def _forward(self, model_inputs: Any) -> Any:
-        import torch
-
         target_size = model_inputs.pop("target_size")
         candidate_label = model_inputs.pop("candidate_label")
         is_last = model_inputs.pop("is_last")
+        side = self._promptstore
+        # One call's labels share its target_size tensor (transformers' preprocess makes it once per image).
+        fingerprint = side.call_fingerprint(target_size)
+        try:
+            if side.path == DETECTOR_FAMILIES["grounding-dino"]:
+                outputs = side.grounded(model_inputs, fingerprint)
+                return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
+            output = self._owl(model_inputs, target_size, fingerprint)
+        finally:
+            if is_last:
+                side.end_call()
+                self._image_memo = None
+        return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **output}
+
+    def _owl(self, model_inputs: Any, call: Any, fingerprint: str) -> dict[str, Any]:
+        """OWL's detection for one label; the image tower runs once per ``call``."""
+        import torch
+
         model = self.model  # type: ignore[attr-defined]
         side = self._promptstore
-        if side.path == DETECTOR_FAMILIES["grounding-dino"]:
-            outputs = side.grounded(model_inputs)
-            return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
         input_ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
         pixel_values = model_inputs["pixel_values"]
-        pooled = side.pooled(input_ids, mask)
+        pooled = side.pooled(input_ids, mask, fingerprint)
         base = _attr(model, side.path.rpartition(".")[0])
         with torch.no_grad():
             query = base.text_projection(pooled)
             # The detector's own normalisation (OwlViTModel / Owlv2Model.forward).
             query = query / torch.linalg.norm(query, ord=2, dim=-1, keepdim=True)
             memo = self._image_memo
-            if memo is not None and memo[0].shape == pixel_values.shape and torch.equal(memo[0], pixel_values):
-                feature_map, vision_outputs = memo[1]
+            if memo is not None and memo[0] is call and memo[1].shape == pixel_values.shape and torch.equal(memo[1], pixel_values):
+                feature_map, vision_outputs = memo[2]
             else:
                 feature_map, vision_outputs = model.image_embedder(pixel_values=pixel_values)[:2]
-                self._image_memo = (pixel_values, (feature_map, vision_outputs))
+                self._image_memo = (call, pixel_values, (feature_map, vision_outputs))
             batch, h, w, dim = feature_map.shape
             image_feats = feature_map.reshape(batch, h * w, dim)
             queries = query.reshape(batch, -1, query.shape[-1])
@@ -325,8 +364,5 @@ class _Detector:
             extra = {}
             if hasattr(model, "objectness_predictor"):
                 extra["objectness_logits"] = model.objectness_predictor(image_feats)
-        if is_last:
-            self._image_memo = None
-        output = {"logits": logits, "pred_boxes": boxes, "text_embeds": queries, "image_embeds": feature_map,
-                  "class_embeds": class_embeds, "vision_model_output": vision_outputs, **extra}
-        return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **output}
+        return {"logits": logits, "pred_boxes": boxes, "text_embeds": queries, "image_embeds": feature_map,
+                "class_embeds": class_embeds, "vision_model_output": vision_outputs, **extra}
