@@ -129,6 +129,50 @@ def test_a_fresh_process_reads_what_another_stored_and_a_hit_deletes_nothing(tmp
         assert got["hits"] == 1 and got["served"] >= len(tokens(DOC))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_stores_its_state_without_llama_save_state_and_a_fresh_llama_is_served(stream, tmp_path, reference,
+                                                                                            monkeypatch):
+    """llama-cpp-python's save_state (three copies of the state, 100 MB of scores) is never called for this
+    cache; the state is stored all the same, and serves a fresh Llama the plain text."""
+    saves = []
+    real = llama_cpp.Llama.save_state
+    monkeypatch.setattr(llama_cpp.Llama, "save_state", lambda self: (saves.append(1), real(self))[1])
+    llm = make_llm()
+    cache = LlamaCppCache(llm, PromptStore(tmp_path / "s"))
+    llm.set_cache(cache)
+    prompt = DOC + QUESTIONS[0]
+    if stream:
+        text = "".join(c["choices"][0]["text"] for c in llm.create_completion(prompt, max_tokens=12, temperature=0.0,
+                                                                             stream=True))
+    else:
+        text = complete(llm, prompt)
+    assert text == reference(prompt) and cache.stats["stored"] == 1 and saves == []
+    assert bool(cache) and cache  # true as any cache outside llama-cpp-python's save
+    cache.store.flush()
+    other = make_llm()
+    again = LlamaCppCache(other, PromptStore(tmp_path / "s"))
+    other.set_cache(again)
+    assert complete(other, DOC + QUESTIONS[1]) == reference(DOC + QUESTIONS[1])
+    assert again.stats["hits"] == 1 and again.stats["served"] >= len(tokens(DOC)) and saves == []
+
+
+def test_a_state_saved_by_llama_save_state_is_stored_the_same_way(tmp_path, reference):
+    """``cache[key] = llm.save_state()``, as llama-cpp-python stores where this cache does not recognise its
+    completion: the same entry, serving a fresh Llama the plain text."""
+    llm = make_llm()
+    prompt = DOC + QUESTIONS[0]
+    assert complete(llm, prompt) == reference(prompt)  # no cache set: computed only
+    cache = LlamaCppCache(llm, PromptStore(tmp_path / "s"))
+    cache[tokens(prompt)] = llm.save_state()
+    assert cache.stats["stored"] == 1
+    cache.store.flush()
+    other = make_llm()
+    again = LlamaCppCache(other, PromptStore(tmp_path / "s"))
+    other.set_cache(again)
+    assert complete(other, DOC + QUESTIONS[1]) == reference(DOC + QUESTIONS[1])
+    assert again.stats["hits"] == 1 and again.stats["served"] >= len(tokens(DOC))
+
+
 def test_a_chat_continued_through_create_chat_completion(tmp_path):
     def chat(llm, turns):
         messages, answers = [], []
