@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +96,16 @@ def test_a_mapped_tensor_has_the_digest_of_its_bytes_and_a_write_changes_it(weig
     assert digest_tensors("w", [("w", t)]) == hashed  # recalled
     t.data[12345] += 1.0  # the written page becomes the process's own copy: no longer the file's
     assert digest_tensors("w", [("w", t)]) == digest_tensors("w", [("w", t.clone())]) != hashed
+
+
+def test_a_remembered_digest_of_the_wrong_length_is_not_used(weights_file, monkeypatch):
+    """A damaged memo row (not a 16-byte digest) is ignored: the pages' bytes are hashed again."""
+    t = _mapped(weights_file)
+    truth = digest_tensors("w", [("w", t)])  # remembered in the memo file
+    with sqlite3.connect(os.environ["PROMPTSTORE_DIGESTS"]) as db:
+        assert db.execute("UPDATE digests SET digest = ?", (b"\x01" * 15,)).rowcount == 1
+    monkeypatch.setattr(digest, "_memo", digest._Memo())  # a fresh process: only the file remembers
+    assert digest_tensors("w", [("w", t)]) == truth == digest_tensors("w", [("w", t.clone())])
 
 
 def test_a_file_rewritten_in_place_changes_the_digest_of_its_mapped_pages(weights_file):
@@ -252,6 +264,23 @@ def test_a_tensor_listed_with_its_transpose_is_not_tied_to_it(lib, shape):
     assert with_transpose == digest_tensors("m", [("a", w), ("b", wt_copy)])  # the same as an untied copy
     # The transpose listed twice is a tie, like any tensor listed twice.
     assert digest_tensors("m", [("a", wt), ("b", wt)]) == digest_tensors("m", [("a", wt_copy), ("b", wt_copy)])
+
+
+@pytest.mark.parametrize("lib", ["torch", "numpy"])
+def test_distinct_tensors_of_one_dtype_and_shape_are_never_tied(lib):
+    """Only the same memory is a tie: a second array like the first is digested by its own bytes."""
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
+    if lib == "torch":
+        a, b, c = (torch.from_numpy(x) for x in (a, b, c))
+    assert digest_tensors("m", [("a", a), ("b", b)]) != digest_tensors("m", [("a", a), ("b", c)])
+    assert digest_tensors("m", [("a", a), ("b", b)]) == digest_tensors("m", [("a", a), ("b", b.copy() if lib == "numpy" else b.clone())])
+    # The same memory through another view object is a tie, as the same object listed twice is.
+    assert digest_tensors("m", [("a", a), ("b", a[:])]) == digest_tensors("m", [("a", a), ("b", a)])
+    if lib == "numpy":  # read-only arrays (np.load(mmap_mode="r"), frombuffer over bytes) alike
+        for x in (a, b, c):
+            x.flags.writeable = False
+        assert digest_tensors("m", [("a", a), ("b", b)]) != digest_tensors("m", [("a", a), ("b", c)])
 
 
 @pytest.mark.parametrize("lib", ["torch", "numpy"])

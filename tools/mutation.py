@@ -115,7 +115,7 @@ GROUPS = [
                                               "_Pages.__init__", "_Pages._known", "_Pages._add", "_Pages._query",
                                               "_Pages._read_maps", "_Pages._mapping", "_Pages._file_pages", "_Pages.file_ranges",
                                               "_Pages.file_range", "_frame",
-                                              "_raw", "_multipliers", "device_word_digest", "_device_sums",
+                                              "_Host.__init__", "_Host.buffer", "_raw", "_multipliers", "device_word_digest", "_device_sums",
                                               "_hash_bytes", "digest_tensors", "_settled", "_still", "_framed",
                                               "_Memo.derived", "derived_digest"),
                    "promptstore/_codec.py": ("parse_header", "check_digest", "make_entry", "decode")},
