@@ -1,7 +1,8 @@
 """Vision text prompts where users call them, plain and from the store: transformers' zero-shot pipelines
 (promptstore.vision.pipeline), OmDet-Turbo (serve_omdet) and SAM 3's set_classes (serve_sam3).
 
-    python bench/vision_pipelines.py [--repeats 3] [--out bench/results/vision_pipelines_<date>.json]
+    python bench/vision_pipelines.py [--repeats 3] [--processes 1] [--cases ...]
+                                     [--out bench/results/vision_pipelines_<date>.json]
 
 Random weights at the released checkpoints' sizes, with the CLIP BPE tokenizer (and for Grounding
 DINO a small BERT vocabulary) built offline: the shapes and the cost are real. Grounding DINO:
@@ -11,7 +12,10 @@ with a task prompt; SAM 3: ultralytics' builder (the 354M-parameter text encoder
 before the clock starts): the plain pipeline, and the served one over a store another process
 warmed with the same labels. Each times making the pipeline (or serving the model: promptstore
 describes the text tower then), then its first call (the headline) and ``--repeats`` more (steady
-state), on one image. Writes medians; the served outputs are compared with the plain ones (labels,
+state), on one image. With ``--processes P``, P fresh processes per mode, plain and served
+alternating: two processes running the same code can differ by several percent, more than a
+served call's text side weighs in most rows. Writes medians (over the processes, of each one's
+first call and of its steady median); the served outputs are compared with the plain ones (labels,
 scores). The library's modules run from compiled bytecode, as an installed package's do
 (bench/_common.py compiles them).
 
@@ -250,6 +254,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="fresh processes per mode (plain and served, alternating): medians over them, since two "
+                             "processes running the same code can differ by several percent")
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="which rows (default: all)")
     parser.add_argument("--out", default=str(BENCH / "results" / f"vision_pipelines_{time.strftime('%Y-%m-%d')}.json"))
     parser.add_argument("--built", action="store_true",
@@ -272,15 +279,24 @@ def main() -> None:
             if model is not None:
                 time.sleep(2.5)  # a downloaded checkpoint's files are older than this: their digests may be remembered
             run(args, case, "served", folder / "store", model)  # warms the store (its own first call encodes)
-            plain = run(args, case, "plain", folder / "unused", model)
-            served = run(args, case, "served", folder / "store", model)
+            plains, serveds = [], []
+            for p in range(args.processes):  # alternating which mode goes first: drift weighs on both
+                for mode in ("plain", "served") if p % 2 == 0 else ("served", "plain"):
+                    got = run(args, case, mode, folder / ("unused" if mode == "plain" else "store"), model)
+                    (plains if mode == "plain" else serveds).append(got)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        row = {"case": case, "plain_set_up_s": plain["set_up"], "served_set_up_s": served["set_up"],
-               "plain_first_s": plain["first"], "served_first_s": served["first"],
-               "plain_steady_s": statistics.median(plain["steady"]), "served_steady_s": statistics.median(served["steady"]),
-               "served_text_first_s": served["text_first"], "served_text_steady_s": statistics.median(served["text_steady"]),
-               "same_output": close(plain["output"], served["output"]),
+
+        def med(runs: list[dict], key: str) -> float:
+            return statistics.median(r[key] if not isinstance(r[key], list) else statistics.median(r[key]) for r in runs)
+
+        row = {"case": case, "processes": args.processes,
+               "plain_set_up_s": med(plains, "set_up"), "served_set_up_s": med(serveds, "set_up"),
+               "plain_first_s": med(plains, "first"), "served_first_s": med(serveds, "first"),
+               "plain_steady_s": med(plains, "steady"), "served_steady_s": med(serveds, "steady"),
+               "served_text_first_s": med(serveds, "text_first"), "served_text_steady_s": med(serveds, "text_steady"),
+               "plain_firsts_s": [r["first"] for r in plains], "served_firsts_s": [r["first"] for r in serveds],
+               "same_output": all(close(plains[0]["output"], r["output"]) for r in serveds),
                "weights": "from_pretrained" if model is not None else "built"}
         row["first_speedup"] = row["plain_first_s"] / row["served_first_s"]
         row["steady_speedup"] = row["plain_steady_s"] / row["served_steady_s"]
