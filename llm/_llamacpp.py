@@ -27,7 +27,7 @@ it never replaces a context that already holds as much of the prompt. A hit dele
 
 Storing reads the context itself too. ``Llama.save_state``, which llama-cpp-python calls for its
 cache after every completion, copies the whole context state three times and its ``scores``
-array once (about 0.15 s at 2,000 tokens of SmolLM2, 5% of that completion), none of which this
+array once (0.15-0.27 s at 2,000 tokens of SmolLM2, bench/llamacpp_store_cost.py), none of which this
 cache reads. So where llama-cpp-python asks whether it has a cache in order to save
 (``if self.cache:`` in ``Llama._create_completion``, once the completion is done), this cache
 stores the context's state and answers False, and ``save_state`` is not called. Everywhere else,
