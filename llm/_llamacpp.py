@@ -315,15 +315,19 @@ class LlamaCppCache(BaseLlamaCache):
         if frame.f_code is not _COMPLETION_CODE or "finish_reason" not in frame.f_locals:
             return True
         llm = self.llm
-        self[()] = _Context(llm.n_tokens, llm.input_ids[: llm.n_tokens])
+        self._try_store(_Context(llm.n_tokens, llm.input_ids[: llm.n_tokens]))
         return False
 
     def __setitem__(self, key: Sequence[int], value: llama_cpp.llama.LlamaState) -> None:
         """Store the context's state (``value`` is what ``llm.save_state()`` just returned; with ``logits_all``
         its scores are stored as they are, written after the call returns)."""
+        self._try_store(value)
+
+    def _try_store(self, value: Any) -> None:
+        """:meth:`_store`, a failure a warned miss."""
         try:
             self._store(value)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
             self._warn("store", exc)
 
     def _store(self, value: Any) -> None:
