@@ -312,7 +312,8 @@ class LlamaCppCache(BaseLlamaCache):
         frame = sys._getframe(1)
         # The save point: _create_completion's frame once its generation loop has set finish_reason
         # (the lookup, earlier in the same frame, comes before it).
-        if frame.f_code is not _COMPLETION_CODE or "finish_reason" not in frame.f_locals:
+        local = frame.f_locals if frame.f_code is _COMPLETION_CODE else {}
+        if "finish_reason" not in local or local.get("self") is not self.llm:  # (another Llama sharing this cache)
             return True
         llm = self.llm
         self._try_store(_Context(llm.n_tokens, llm.input_ids[: llm.n_tokens]))

@@ -409,14 +409,20 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
     shape = tuple(t.shape)
     ident = (t.data_ptr(), t.dtype, shape, tuple(t.stride()))
-    if t.is_cpu and t.is_contiguous():
-        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t)
-    flat = t.detach().contiguous().reshape(-1)
+    # Read in place only a plain dense view lying wholly in its storage; a conjugate or negative view's
+    # memory is not its value: it is resolved below, and digested as the values it stands for.
+    if (t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and ident[0] and t.untyped_storage().nbytes() >= t.storage_offset() * t.element_size() + t.nbytes):
+        # The detached view holds the storage: swapping the tensor's .data (``.half()``, ``load_state_dict(assign=
+        # True)``) before the bytes are hashed leaves them alive.
+        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t.detach())
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         # Copying every weight to the host on every request would cost more than the hit saves
         # (16 GB for an 8B fp16 model): reduce on the device, bring 16 bytes back.
         return f"{t.dtype}@device", shape, ident, _DeviceSums(_device_sums(torch, flat))
-    return str(t.dtype), shape, ident, _Host(flat.data_ptr(), flat.nbytes, flat)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+    return str(t.dtype), shape, ident, _Host(data.__array_interface__["data"][0], data.size, data)
 
 
 _CHUNK_WORDS = 1 << 24  # 16M words per step: temporaries of 64 MB at most

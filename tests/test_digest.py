@@ -283,6 +283,29 @@ def test_distinct_tensors_of_one_dtype_and_shape_are_never_tied(lib):
         assert digest_tensors("m", [("a", a), ("b", b)]) != digest_tensors("m", [("a", a), ("b", c)])
 
 
+def test_a_weight_swapped_while_its_model_is_digested_is_digested_as_it_was():
+    """``p.data = ...`` (``.half()``, ``load_state_dict(assign=True)``) between reading a parameter and hashing
+    it: the bytes read are the ones it held, never freed memory."""
+    p = torch.nn.Parameter(torch.randn(1 << 22), requires_grad=False)  # 16 MB: freed at once when dropped
+    before = p.detach().clone()
+
+    def named():
+        yield "w", p
+        p.data = torch.zeros(4)
+        yield "b", torch.ones(3)
+
+    assert digest_tensors("m", named()) == digest_tensors("m", [("w", before), ("b", torch.ones(3))])
+
+
+def test_conjugate_and_negative_views_are_digested_as_their_values():
+    x = torch.tensor([1 + 2j, 3 - 4j])
+    assert digest_tensors("m", [("x", x.conj())]) == digest_tensors("m", [("x", x.conj().resolve_conj())])
+    assert digest_tensors("m", [("x", x.conj())]) != digest_tensors("m", [("x", x)])
+    t = torch.randn(5)
+    neg = torch._neg_view(t)
+    assert digest_tensors("m", [("t", neg)]) == digest_tensors("m", [("t", -t)]) != digest_tensors("m", [("t", t)])
+
+
 @pytest.mark.parametrize("lib", ["torch", "numpy"])
 def test_tensors_made_on_the_fly_are_never_tied_by_a_reused_address(lib):
     """A generator of temporaries (``(n, p.t() * 1) for ...``): each is freed once the next is drawn.

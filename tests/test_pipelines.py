@@ -274,15 +274,17 @@ def test_a_detection_call_names_its_text_side_once_and_every_call_anew(family, t
     real = pipelines_module._TextSide.fingerprint
     monkeypatch.setattr(pipelines_module._TextSide, "fingerprint", lambda self: (named.append(1), real(self))[1])
     picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
-    for calls in (1, 2):  # a miss, then a hit: one name per call, not per label
+    # A miss names the call, then checks the name again before storing each label it computed; a hit
+    # names the call once, not once per label.
+    for names in (1 + len(LABELS), 2 + len(LABELS)):
         same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
-        assert len(named) == calls
+        assert len(named) == names
     with torch.no_grad():  # between calls: the next call names the edited tower
         next(tower.parameters()).add_(0.25)
     want = plain(picture, **call)
     with Counting(tower.embeddings) as runs:
         same_scores(served(picture, **call), want, atol=1e-5)
-    assert runs.rows == len(LABELS) and len(named) == 3
+    assert runs.rows == len(LABELS) and len(named) == 3 + 2 * len(LABELS)
 
 
 def test_a_detection_call_cut_short_leaves_nothing_a_later_call_of_the_same_image_reuses(tokenizers, store):
@@ -298,6 +300,40 @@ def test_a_detection_call_cut_short_leaves_nothing_a_later_call_of_the_same_imag
     with torch.no_grad():  # the image tower and the text tower edited before the same image is asked again
         model.owlv2.vision_model.post_layernorm.bias.add_(0.5)
         model.owlv2.text_model.final_layer_norm.bias.add_(0.5)
+    same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
+
+
+class _Armed:
+    """A module-level switch, so that the hook reading it keeps one identity (tests/counting.py's pattern)."""
+
+    edit: float = 0.0
+
+
+ARMED = _Armed()
+
+
+def edit_text_once(module, args, output):
+    """On the image tower: adds ARMED.edit to the text tower's last norm once, mid-call (a hook's edit)."""
+    if ARMED.edit:
+        with torch.no_grad():
+            module.edited.final_layer_norm.bias.add_(ARMED.edit)
+        ARMED.edit = 0.0
+
+
+def test_what_the_tower_computes_after_an_edit_mid_call_is_not_stored_under_the_calls_name(tokenizers, store):
+    model, images = detector("owlv2")
+    base = model.owlv2
+    base.vision_model.edited = base.text_model  # what the hook reaches
+    base.vision_model.register_forward_hook(edit_text_once)
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    bias = base.text_model.final_layer_norm.bias.detach().clone()
+    ARMED.edit = 0.5
+    served(picture, **call)  # its first label before the image tower, the others after the edit
+    assert ARMED.edit == 0.0
+    with torch.no_grad():
+        base.text_model.final_layer_norm.bias.copy_(bias)  # back to the tower the call was named by
     same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
 
 

@@ -53,6 +53,7 @@ CLASSIFIER_FAMILIES = {"clip": "text_model", "metaclip_2": "text_model", "siglip
 DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model",
                      "grounding-dino": "model.text_backbone"}
 _TASKS = {"zero-shot-image-classification": CLASSIFIER_FAMILIES, "zero-shot-object-detection": DETECTOR_FAMILIES}
+_CALL = "promptstore_call"  # the key preprocess adds to each label's inputs
 
 
 def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, **kwargs: Any) -> Any:
@@ -134,7 +135,8 @@ class _TextSide:
         ``call`` is an object all of one call's forwards hold and nothing else does. The call is
         named once, at its first forward, as one forward over all its labels would be (the
         classification pipeline's): the image tower also runs once per call. An edit to the model
-        made during a call (only a hook or another thread can make one) is seen from the next call.
+        made during a call (only a hook or another thread can make one) is seen from the next call,
+        and what the tower computes after it is not stored under the earlier name.
         """
         memo = self._call
         if memo is not None and memo[0] is call:
@@ -182,10 +184,13 @@ class _TextSide:
                     self.encoded += input_ids.shape[0]
                     return self._encode(input_ids, attention_mask)
                 fresh = fresh[1:]
+            # Named earlier in the call: stored only if the tower is still what that name says.
+            keep = fingerprint is None or self.fingerprint() == fingerprint
             for name, value in zip(missing, fresh, strict=True):
                 value = value.detach().cpu()
-                self.store.put(recipes.text(name), {"text": _storable(value)}, kind=TEXT_KIND, cost_s=each,
-                               meta={"encoder": recipes.efp})
+                if keep:
+                    self.store.put(recipes.text(name), {"text": _storable(value)}, kind=TEXT_KIND, cost_s=each,
+                                   meta={"encoder": recipes.efp})
                 found[name] = value
         self.served += sum(1 for n in names if n not in missing)
         device = input_ids.device
@@ -219,7 +224,8 @@ class _TextSide:
         finally:
             handle.remove()
         self.encoded += 1
-        if len(seen) == 1 and seen[0].shape[0] == 1:
+        # Named earlier in the call: stored only if the backbone is still what that name says.
+        if len(seen) == 1 and seen[0].shape[0] == 1 and self.fingerprint() == fingerprint:
             self.store.put(recipes.text(name), {"text": _storable(seen[0][0].detach().cpu())}, kind=TEXT_KIND,
                            cost_s=time.perf_counter() - t0, meta={"encoder": recipes.efp})
         return outputs
@@ -317,18 +323,27 @@ class _Detector:
     _promptstore: _TextSide
     _image_memo: tuple[Any, Any, Any] | None = None  # (the call's token, pixel values, image tower's output)
 
+    def preprocess(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' preprocess, each label's inputs marked with its call (an object the device moves and
+        the batch collation pass through: one call's labels hold the same one, no other call does)."""
+        call = object()
+        for model_inputs in super(type(self), self).preprocess(*args, **kwargs):  # type: ignore[misc]
+            yield {**model_inputs, _CALL: call}
+
     def _forward(self, model_inputs: Any) -> Any:
         target_size = model_inputs.pop("target_size")
         candidate_label = model_inputs.pop("candidate_label")
         is_last = model_inputs.pop("is_last")
         side = self._promptstore
-        # One call's labels share its target_size tensor (transformers' preprocess makes it once per image).
-        fingerprint = side.call_fingerprint(target_size)
+        call = model_inputs.pop(_CALL, None)
+        if call is None or isinstance(call, list):  # inputs not from preprocess, or a batch of several labels
+            call = object()
+        fingerprint = side.call_fingerprint(call)
         try:
             if side.path == DETECTOR_FAMILIES["grounding-dino"]:
                 outputs = side.grounded(model_inputs, fingerprint)
                 return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
-            output = self._owl(model_inputs, target_size, fingerprint)
+            output = self._owl(model_inputs, call, fingerprint)
         finally:
             if is_last:
                 side.end_call()
