@@ -337,6 +337,18 @@ def test_what_the_tower_computes_after_an_edit_mid_call_is_not_stored_under_the_
     same_scores(served(picture, **call), plain(picture, **call), atol=1e-5)
 
 
+def test_detection_in_batches_of_labels_equals_transformers(tokenizers, store):
+    """``batch_size=2``: the collated inputs carry a list of call marks and a list of is_last flags; each
+    batch is named afresh and runs its own image tower, and the result is the plain pipeline's."""
+    model, images = detector("owlv2")
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    want = plain(picture, **call)
+    for _ in range(2):  # a miss, then a hit
+        same_scores(served(picture, batch_size=2, **call), want, atol=1e-5)
+
+
 def test_a_stored_label_that_differs_from_the_tower_now_is_not_served(tokenizers, store, monkeypatch):
     model, images = classifier("clip")
     args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
