@@ -145,6 +145,11 @@ class _TextSide:
         self._call = (call, fp)
         return fp
 
+    def still(self, fingerprint: str) -> bool:
+        """Whether the tower is still what ``fingerprint``, taken earlier in the call, names: what it computed
+        is stored under that name only then."""
+        return self.fingerprint() == fingerprint
+
     def end_call(self) -> None:
         """The call's last forward is done: its name is not reused."""
         self._call = None
@@ -184,8 +189,7 @@ class _TextSide:
                     self.encoded += input_ids.shape[0]
                     return self._encode(input_ids, attention_mask)
                 fresh = fresh[1:]
-            # Named earlier in the call: stored only if the tower is still what that name says.
-            keep = fingerprint is None or self.fingerprint() == fingerprint
+            keep = fingerprint is None or self.still(fingerprint)
             for name, value in zip(missing, fresh, strict=True):
                 value = value.detach().cpu()
                 if keep:
@@ -224,8 +228,7 @@ class _TextSide:
         finally:
             handle.remove()
         self.encoded += 1
-        # Named earlier in the call: stored only if the backbone is still what that name says.
-        if len(seen) == 1 and seen[0].shape[0] == 1 and self.fingerprint() == fingerprint:
+        if len(seen) == 1 and seen[0].shape[0] == 1 and self.still(fingerprint):
             self.store.put(recipes.text(name), {"text": _storable(seen[0][0].detach().cpu())}, kind=TEXT_KIND,
                            cost_s=time.perf_counter() - t0, meta={"encoder": recipes.efp})
         return outputs
