@@ -33,6 +33,11 @@ cache reads. So where llama-cpp-python asks whether it has a cache in order to s
 stores the context's state and answers False, and ``save_state`` is not called. Everywhere else,
 and in a llama-cpp-python whose completion this does not recognise, it is true as any cache,
 and ``cache[key] = llm.save_state()`` stores the same way.
+
+A completion waits only for its state to be read (5 ms at 2,000 tokens of SmolLM2, into a buffer
+reused from state to state). Writing it, its head and its pointers runs on a background thread
+after the completion returns; :meth:`LlamaCppCache.flush` waits for that, and so does a normal
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -40,15 +45,17 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from promptstore import PromptStore, chain_keys, file_digest
+from promptstore import PromptStore, background_priority, chain_keys, file_digest
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._decide import RestoreRates
@@ -84,6 +91,13 @@ def _plain(value: Any) -> str:
 
 def _settings(struct: Any, ignored: frozenset[str]) -> str:
     return ",".join(f"{name}={_plain(getattr(struct, name))}" for name, *_ in struct._fields_ if name not in ignored)
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    parted = np.flatnonzero(a[:n] != b[:n])
+    return int(parted[0]) if parted.size else n
 
 
 def _file_identity(path: str) -> tuple[int, int, int, int]:
@@ -157,6 +171,9 @@ class LlamaCppCache(BaseLlamaCache):
         perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # llama.cpp's prompt-eval counters when last read
         self._perf = (int(perf.n_p_eval), float(perf.t_p_eval_ms), float(perf.t_load_ms))
         self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0, "declined": 0}
+        self._behind = _Behind()
+        self._buffer: np.ndarray | None = None
+        self._writing: np.ndarray | None = None  # the tokens of the state being written
 
     # -- identity -------------------------------------------------------------------------
     def _fingerprints(self) -> list[str]:
@@ -219,9 +236,7 @@ class LlamaCppCache(BaseLlamaCache):
             if head is None or self._state_key(head_key) not in self.store:
                 continue  # gone, or its state evicted
             stored = head.tensors["tokens"]
-            n = min(len(stored), len(tokens))
-            parted = np.flatnonzero(stored[:n] != tokens[:n])
-            shared = int(parted[0]) if parted.size else n
+            shared = _shared(stored, tokens)
             if shared:
                 nbytes = head.tensors.get("state_bytes")
                 return head_key, stored, shared, None if nbytes is None else int(nbytes.reshape(-1)[0])
@@ -229,7 +244,11 @@ class LlamaCppCache(BaseLlamaCache):
 
     def __contains__(self, key: Sequence[int]) -> bool:
         try:
-            return self._usable() and self._find(self._tokens(key)) is not None
+            if not self._usable():
+                return False
+            tokens = self._tokens(key)
+            self._settle(tokens, 0)
+            return self._find(tokens) is not None
         except KeyError:
             return False
         except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
@@ -264,14 +283,12 @@ class LlamaCppCache(BaseLlamaCache):
         llm = self.llm
         if not self._usable():
             raise KeyError("model file changed")
+        in_context = _shared(llm.input_ids[: llm.n_tokens], tokens)
+        self._settle(tokens, in_context)
         found = self._find(tokens)
         if found is None:
             raise KeyError("no stored prefix")
         head_key, stored, shared, nbytes = found
-        held = llm.input_ids[: llm.n_tokens]
-        n = min(len(held), len(tokens))
-        parted = np.flatnonzero(held[:n] != tokens[:n])
-        in_context = int(parted[0]) if parted.size else n
         if shared <= in_context or len(stored) > llm.n_ctx():
             raise KeyError("the context holds as much")  # keep what the context has: nothing to read
         # The whole state is read, however little of it the prompt shares: worth it only where that
@@ -305,6 +322,16 @@ class LlamaCppCache(BaseLlamaCache):
         self.rates.record_restore(state.nbytes + (0 if scores is None else scores.nbytes), time.perf_counter() - start)
         return stored, shared
 
+    def _settle(self, tokens: np.ndarray, held: int) -> None:
+        """Wait for the state being written where it would serve ``tokens`` beyond their first
+        ``held`` (what the context holds); else go on without it (the next turn of a chat, whose
+        context holds that state, or another prompt)."""
+        writing = self._writing
+        if writing is not None:
+            shared = _shared(writing, tokens)
+            if shared >= self.block_tokens and shared > held:
+                self._written()
+
     # -- storing --------------------------------------------------------------------------
     def __bool__(self) -> bool:
         """True, but False where llama-cpp-python is about to save the context for this cache, which
@@ -333,11 +360,19 @@ class LlamaCppCache(BaseLlamaCache):
 
     def _store(self, value: Any) -> None:
         """Store the context's state; ``value`` names it (``n_tokens``, ``input_ids``; optionally the
-        ``scores`` a ``LlamaState`` holds)."""
+        ``scores`` a ``LlamaState`` holds).
+
+        Only reading the state waits here (the context changes with the next call); the store's
+        writes and the index run on a background thread (see :meth:`flush`).
+        """
         llm = self.llm
+        # The last state's writes first: it is then known whether this one is stored already, and the
+        # buffer it was read into is free again. Usually done long since, during this completion.
+        self._written()
         self._record_prefill()
         n = int(value.n_tokens)
-        tokens = np.asarray(value.input_ids[:n], dtype=np.intc)
+        # A copy: input_ids is the context's own array, which the next completion overwrites.
+        tokens = np.array(value.input_ids[:n], dtype=np.intc)
         if n < self.block_tokens or not self._usable():
             return  # too short to index: no block key would ever find it
         if llm.n_tokens != n or not np.array_equal(llm.input_ids[:n], tokens):
@@ -348,10 +383,9 @@ class LlamaCppCache(BaseLlamaCache):
         head_key = self._head_key(tokens)
         if self._state_key(head_key) in self.store:
             return  # stored already (a head whose state was evicted is stored again)
-        found = self._find(tokens)
         ctx = llm._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        state = np.empty(size, dtype=np.uint8)
+        state = self._staging(size)
         written = llama_cpp.llama_state_seq_get_data(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
         if written != size:
             raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
@@ -365,25 +399,65 @@ class LlamaCppCache(BaseLlamaCache):
                 scores = np.array(llm.scores[:n], dtype=np.single, copy=True)
             tensors["scores"] = scores
         cost = n / self._prefill_rate()
-        state_bytes = np.array([sum(t.nbytes for t in tensors.values())], dtype=np.int64)
-        if not self.store.put(head_key, {"tokens": tokens, "state_bytes": state_bytes}, kind=HEAD_KIND, cost_s=cost):
-            return
-        # Written after the completion returns (the store's writer thread); a reader finds the head's
-        # state missing until then, a miss.
-        self.store.put(self._state_key(head_key), tensors, kind=KIND, cost_s=cost, parent=head_key, background=True)
         self.stats["stored"] += 1
-        # A new state that extends a stored one serves every prompt the old one did: it replaces it.
-        replaced = found[0] if found is not None and found[2] == len(found[1]) < n else None
-        # Point every block of the new state at it, deepest first, down to a pointer that names
-        # another live state (the blocks above it were pointed at when that state was stored).
-        pointer = {"head": np.frombuffer(head_key, dtype=np.uint8)}
-        for key in reversed(chain_keys(self._root, tokens, self.block_tokens)):
-            named = self._pointer(key)
-            if named is not None and named != replaced and self._state_key(named) in self.store:
-                break
-            self.store.put(key, pointer, kind=INDEX_KIND, cost_s=cost)
-        if replaced is not None:
-            self.store.delete(replaced)  # its state goes with it (chained)
+        self._writing = tokens
+        self._behind.submit(lambda: self._write(head_key, tokens, tensors, cost))
+
+    def _staging(self, size: int) -> np.ndarray:
+        """A buffer of ``size`` bytes to read a state into, reused from state to state.
+
+        Fresh memory is what made reading a state slow: its first writes fault every page in,
+        and, where the kernel gives numpy's large arrays huge pages, may wait for it to compact
+        memory (9-80 ms for 2,000 tokens of SmolLM2, against 5 ms into a buffer in use).
+        """
+        if self._buffer is None or self._buffer.size < size:
+            self._buffer = None  # the old one goes before the new one is made
+            self._buffer = np.empty(size + size // 8, dtype=np.uint8)  # room for the next, slightly longer prompt
+        return self._buffer[:size]
+
+    def _write(self, head_key: bytes, tokens: np.ndarray, tensors: dict[str, np.ndarray], cost: float) -> None:
+        """Write a state read by :meth:`_store`, its head and its pointers (on the background thread).
+
+        In the order a reader relies on: the head, then the state, then the pointers, deepest first;
+        a reader that finds a pointer finds its state, and a process killed halfway leaves misses.
+        """
+        try:
+            n = len(tokens)
+            found = self._find(tokens)
+            state_bytes = np.array([sum(t.nbytes for t in tensors.values())], dtype=np.int64)
+            if not self.store.put(head_key, {"tokens": tokens, "state_bytes": state_bytes}, kind=HEAD_KIND, cost_s=cost):
+                return
+            if not self.store.put(self._state_key(head_key), tensors, kind=KIND, cost_s=cost, parent=head_key):
+                return
+            # A new state that extends a stored one serves every prompt the old one did: it replaces it.
+            replaced = found[0] if found is not None and found[2] == len(found[1]) < n else None
+            # Point every block of the new state at it, deepest first, down to a pointer that names
+            # another live state (the blocks above it were pointed at when that state was stored).
+            pointer = {"head": np.frombuffer(head_key, dtype=np.uint8)}
+            for key in reversed(chain_keys(self._root, tokens, self.block_tokens)):
+                named = self._pointer(key)
+                if named is not None and named != replaced and self._state_key(named) in self.store:
+                    break
+                self.store.put(key, pointer, kind=INDEX_KIND, cost_s=cost)
+            if replaced is not None:
+                self.store.delete(replaced)  # its state goes with it (chained)
+        except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
+            self._warn("store", exc)
+
+    def flush(self) -> None:
+        """Return once every state stored so far is in the store (written, indexed, findable by
+        any process sharing it).
+
+        A completion returns before its state is written: reading it from the context is all it
+        waits for. The writes run on a background thread, which a normal interpreter exit waits
+        for; a killed process loses the state it was writing (a miss, never a partial entry).
+        """
+        self._written()
+        self.store.flush()
+
+    def _written(self) -> None:
+        self._behind.wait()
+        self._writing = None
 
     def _record_prefill(self) -> None:
         """Record the prompt tokens llama.cpp evaluated since the last call, and how long they took."""
@@ -398,12 +472,14 @@ class LlamaCppCache(BaseLlamaCache):
     def _prefill_rate(self) -> float:
         """Prompt tokens per second in this setting (what a state saves; the eviction policy's cost)."""
         prefill = self.rates.samples["prefill"]
-        return 1.0 / float(np.median(prefill)) if prefill else 1000.0
+        # statistics, not numpy: np.median imports numpy.ma on first use (20 ms of a fresh process's first request).
+        return 1.0 / statistics.median(prefill) if prefill else 1000.0
 
     # -- BaseLlamaCache ---------------------------------------------------------------------
     @property
     def cache_size(self) -> int:
         """Bytes of stored states in this store's namespace."""
+        self._written()
         return sum(i.size for i in self.store.ls(kind=KIND))
 
     def _warn(self, what: str, exc: BaseException) -> None:
@@ -418,3 +494,38 @@ class _Context:
 
     def __init__(self, n_tokens: int, input_ids: np.ndarray) -> None:
         self.n_tokens, self.input_ids = n_tokens, input_ids
+
+
+class _Behind:
+    """Runs one job at a time after the call that queued it returns, on a low-priority thread.
+
+    A normal interpreter exit waits for the job (the thread is not a daemon); a forked child
+    does not inherit it (the parent's job is the parent's to finish).
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future[None] | None = None
+
+    def _forked(self) -> None:
+        if os.getpid() != self._pid:
+            self._pid, self._pool, self._job = os.getpid(), None, None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (which must not raise) once the last one is done."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-llamacpp",
+                                            initializer=background_priority)
+        try:
+            self._job = self._pool.submit(job)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": run it here
+            job()
+
+    def wait(self) -> None:
+        """Return once the last job has run."""
+        self._forked()
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()

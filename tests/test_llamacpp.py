@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -148,12 +149,70 @@ def test_a_completion_stores_its_state_without_llama_save_state_and_a_fresh_llam
         text = complete(llm, prompt)
     assert text == reference(prompt) and cache.stats["stored"] == 1 and saves == []
     assert bool(cache) and cache  # true as any cache outside llama-cpp-python's save
-    cache.store.flush()
+    cache.flush()
     other = make_llm()
     again = LlamaCppCache(other, PromptStore(tmp_path / "s"))
     other.set_cache(again)
     assert complete(other, DOC + QUESTIONS[1]) == reference(DOC + QUESTIONS[1])
     assert again.stats["hits"] == 1 and again.stats["served"] >= len(tokens(DOC)) and saves == []
+
+
+def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_waits_only_where_it_serves(
+        tmp_path, reference):
+    """The store held back from writing a state: the completion that stored it returns anyway, with the plain
+    text; a lookup the pending state would serve waits for it and is served; flush() waits for the write."""
+    llm = make_llm()
+    store = PromptStore(tmp_path / "s")
+    cache = LlamaCppCache(llm, store)
+    llm.set_cache(cache)
+    release, writing = threading.Event(), threading.Event()
+    put = store.put
+
+    def held_put(key, tensors, **kw):  # a store slow to write states (a busy disk or Redis)
+        if kw.get("kind") == KIND:
+            writing.set()
+            assert release.wait(120)
+        return put(key, tensors, **kw)
+
+    store.put = held_put
+    assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
+    assert writing.wait(60) and cache.stats["stored"] == 1
+    assert store.ls(kind=KIND) == [] and store.ls(kind=INDEX_KIND) == []  # returned while its state waits
+    waiter = threading.Thread(target=cache.flush)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # flush waits for the write
+    release.set()
+    waiter.join(60)
+    assert len(store.ls(kind=KIND)) == 1 and len(store.ls(kind=INDEX_KIND)) >= len(tokens(DOC)) // cache.block_tokens
+    # A state still being written serves the next request that shares it (its lookup waits for the write).
+    release.clear()
+    longer = DOC + QUESTIONS[1] + " Notes: " + DOC[:400]  # blocks beyond those the first state serves
+    llm.reset()
+    assert complete(llm, longer + QUESTIONS[2]) == reference(longer + QUESTIONS[2])
+    llm.reset()
+    served = cache.stats["served"]
+    threading.Timer(1.0, release.set).start()
+    assert complete(llm, longer + QUESTIONS[0]) == reference(longer + QUESTIONS[0])
+    assert cache.stats["hits"] == 2 and cache.stats["served"] - served >= len(tokens(longer)) - 1
+
+
+def test_a_process_that_exits_right_after_its_completion_leaves_its_state(tmp_path, reference):
+    """A normal exit waits for the state being written: a fresh process is served it."""
+    folder = str(tmp_path / "s")
+    writer = SETUP + textwrap.dedent("""
+        llm = make_llm(); cache = LlamaCppCache(llm, PromptStore(sys.argv[1])); llm.set_cache(cache)
+        complete(llm, sys.argv[2])
+        sys.exit(0)  # at once: the state is still being written
+        """)
+    run_python(writer, folder, DOC + QUESTIONS[0])
+    reader = SETUP + textwrap.dedent("""
+        llm = make_llm(); cache = LlamaCppCache(llm, PromptStore(sys.argv[1])); llm.set_cache(cache)
+        print(json.dumps({"text": complete(llm, sys.argv[2]), **cache.stats}))
+        """)
+    got = json.loads(run_python(reader, folder, DOC + QUESTIONS[1]).stdout.splitlines()[-1])
+    assert got["text"] == reference(DOC + QUESTIONS[1])
+    assert got["hits"] == 1 and got["served"] >= len(tokens(DOC))
 
 
 def test_a_state_saved_by_llama_save_state_is_stored_the_same_way(tmp_path, reference):
@@ -165,7 +224,7 @@ def test_a_state_saved_by_llama_save_state_is_stored_the_same_way(tmp_path, refe
     cache = LlamaCppCache(llm, PromptStore(tmp_path / "s"))
     cache[tokens(prompt)] = llm.save_state()
     assert cache.stats["stored"] == 1
-    cache.store.flush()
+    cache.flush()
     other = make_llm()
     again = LlamaCppCache(other, PromptStore(tmp_path / "s"))
     other.set_cache(again)
@@ -201,9 +260,11 @@ def test_a_state_that_extends_a_stored_one_replaces_it(tmp_path):
     doc, more = tokens(DOC), tokens(QUESTIONS[0])
     llm.eval(doc)
     cache[doc] = llm.save_state()
+    cache.flush()  # written after the call returns
     assert len(store.ls(kind=KIND)) == 1 and len(store.ls(kind=HEAD_KIND)) == 1
     llm.eval(more)
     cache[doc + more] = llm.save_state()
+    cache.flush()
     assert len(store.ls(kind=KIND)) == 1 and len(store.ls(kind=HEAD_KIND)) == 1
     # Every block still finds the one left, which serves the document and the question.
     assert len(store.ls(kind=INDEX_KIND)) == len(doc + more) // cache.block_tokens
@@ -269,7 +330,7 @@ def test_namespaces_keep_tenants_apart(tmp_path):
     llm.set_cache(cache_b)
     complete(llm, DOC + QUESTIONS[1])
     assert cache_b.stats["hits"] == 0 and cache_b.stats["stored"] == 1  # b stored its own
-    cache_a.store.flush(), cache_b.store.flush()  # states are written after the completion returns
+    cache_a.flush(), cache_b.flush()  # states are written after the completion returns
     mine_a, mine_b = ({i.key for i in PromptStore(folder, namespace=n).ls(kind=KIND)} for n in "ab")
     assert len(mine_a) == len(mine_b) == 1 and not mine_a & mine_b  # each sees only its own state
     assert cache_a.cache_size == sum(i.size for i in PromptStore(folder, namespace="a").ls(kind=KIND))
@@ -315,6 +376,7 @@ def test_a_broken_entry_is_a_warned_miss(tmp_path, reference):
     cache = LlamaCppCache(llm, store)
     llm.set_cache(cache)
     complete(llm, DOC + QUESTIONS[0])
+    cache.flush()
     state = store.ls(kind=KIND)[0]
     path = next(p for p in (folder / "entries").rglob("*.safetensors") if p.name.startswith(state.key.hex()))
     data = bytearray(path.read_bytes())
@@ -425,8 +487,10 @@ def test_a_model_file_changed_after_loading_is_not_used(tmp_path, reference):
 def test_a_bundle_carries_states_to_another_store(tmp_path, reference):
     llm = make_llm()
     source = PromptStore(tmp_path / "a")
-    llm.set_cache(LlamaCppCache(llm, source))
+    cache = LlamaCppCache(llm, source)
+    llm.set_cache(cache)
     complete(llm, DOC + QUESTIONS[0])
+    cache.flush()
     kinds = sorted(i.kind for i in source.ls())
     assert kinds.count(KIND) == kinds.count(HEAD_KIND) == 1 and kinds.count(INDEX_KIND) >= len(tokens(DOC)) // 64
     assert source.export_bundle(tmp_path / "states.zip") == len(kinds)
