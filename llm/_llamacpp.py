@@ -34,7 +34,7 @@ stores the context's state and answers False, and ``save_state`` is not called. 
 and in a llama-cpp-python whose completion this does not recognise, it is true as any cache,
 and ``cache[key] = llm.save_state()`` stores the same way.
 
-A completion waits only for its state to be read (5 ms at 2,000 tokens of SmolLM2, into a buffer
+A completion waits only for its state to be read (6 ms at 2,000 tokens of SmolLM2, into a buffer
 reused from state to state). Writing it, its head and its pointers runs on a background thread
 after the completion returns; :meth:`LlamaCppCache.flush` waits for that, and so does a normal
 interpreter exit.
@@ -172,7 +172,7 @@ class LlamaCppCache(BaseLlamaCache):
         self._perf = (int(perf.n_p_eval), float(perf.t_p_eval_ms), float(perf.t_load_ms))
         self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0, "declined": 0}
         self._behind = _Behind()
-        self._buffer: np.ndarray | None = None
+        self._buffers: dict[str, np.ndarray] = {}  # see _staging
         self._writing: np.ndarray | None = None  # the tokens of the state being written
 
     # -- identity -------------------------------------------------------------------------
@@ -385,7 +385,7 @@ class LlamaCppCache(BaseLlamaCache):
             return  # stored already (a head whose state was evicted is stored again)
         ctx = llm._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        state = self._staging(size)
+        state = self._staging("state", size, np.uint8)
         written = llama_cpp.llama_state_seq_get_data(ctx, state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
         if written != size:
             raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
@@ -396,24 +396,28 @@ class LlamaCppCache(BaseLlamaCache):
             scores = getattr(value, "scores", None)
             if not (isinstance(scores, np.ndarray) and scores.shape == (n, llm.n_vocab()) and scores.dtype == np.single
                     and scores.flags.c_contiguous and not np.may_share_memory(scores, llm.scores)):
-                scores = np.array(llm.scores[:n], dtype=np.single, copy=True)
+                copy = self._staging("scores", n * llm.n_vocab(), np.single).reshape(n, llm.n_vocab())
+                np.copyto(copy, llm.scores[:n], casting="same_kind")
+                scores = copy
             tensors["scores"] = scores
         cost = n / self._prefill_rate()
         self.stats["stored"] += 1
         self._writing = tokens
         self._behind.submit(lambda: self._write(head_key, tokens, tensors, cost))
 
-    def _staging(self, size: int) -> np.ndarray:
-        """A buffer of ``size`` bytes to read a state into, reused from state to state.
+    def _staging(self, name: str, size: int, dtype: type) -> np.ndarray:
+        """A buffer of ``size`` items to copy a state (or its scores) into, reused from state to state.
 
-        Fresh memory is what made reading a state slow: its first writes fault every page in,
-        and, where the kernel gives numpy's large arrays huge pages, may wait for it to compact
-        memory (9-80 ms for 2,000 tokens of SmolLM2, against 5 ms into a buffer in use).
+        Fresh memory is what made these copies slow: their first writes fault every page in, and,
+        where the kernel gives numpy's large arrays huge pages, may wait for it to compact memory
+        (9-90 ms for the state of 2,000 tokens of SmolLM2, against 5 ms into a buffer in use; 0.7-1.8 s
+        for their 390 MB of scores). The buffers are kept: as large as the largest state stored.
         """
-        if self._buffer is None or self._buffer.size < size:
-            self._buffer = None  # the old one goes before the new one is made
-            self._buffer = np.empty(size + size // 8, dtype=np.uint8)  # room for the next, slightly longer prompt
-        return self._buffer[:size]
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.size < size:
+            self._buffers.pop(name, None)  # the old one goes before the new one is made
+            buffer = self._buffers[name] = np.empty(size + size // 8, dtype=dtype)  # room for a slightly longer prompt
+        return buffer[:size]
 
     def _write(self, head_key: bytes, tokens: np.ndarray, tensors: dict[str, np.ndarray], cost: float) -> None:
         """Write a state read by :meth:`_store`, its head and its pointers (on the background thread).
