@@ -230,13 +230,35 @@ _VMA_SHARED = 0x08
 _procmap_query_works: bool | None = None  # learnt on first use: older kernels answer ENOTTY
 
 
+class _PmScanArg(ctypes.Structure):
+    """``struct pm_scan_arg`` (linux/fs.h): which pages of a range have which categories."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages", "category_inverted",
+        "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _PageRegion(ctypes.Structure):
+    """``struct page_region``: pages ``start`` to ``end`` (addresses) that share ``categories``."""
+
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+# _IOWR('f', 16, struct pm_scan_arg): Linux 6.7 and later answer it on /proc/self/pagemap.
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_PmScanArg) << 16) | (ord("f") << 8) | 16
+_PAGE_IS_FILE, _PAGE_IS_PRESENT = 1 << 2, 1 << 3  # what bits 61 and 63 of a pagemap entry say
+_SCAN_REGIONS = 64  # regions of pages not the file's that one scan reports; more: read every page's entry
+_pagemap_scan_works: bool | None = None  # learnt on first use: older kernels answer ENOTTY
+
+
 class _Pages:
     """Which private file mappings of this process still hold only the file's own pages (Linux).
 
     A mapping is looked up by address: one ``PROCMAP_QUERY`` ioctl per mapping where the kernel
     has it (a process holding torch has hundreds of mappings: reading and parsing all of
     ``/proc/self/maps`` costs milliseconds), else ``/proc/self/maps`` read once. A range's pages
-    are read from ``/proc/self/pagemap`` (8 bytes per 4 KB page), the range's own pages only.
+    are asked of ``/proc/self/pagemap``: only those not the file's (``PAGEMAP_SCAN``) where the
+    kernel has it, else every page's entry (8 bytes per 4 KB page), the range's own pages only.
     """
 
     def __init__(self) -> None:
@@ -322,6 +344,9 @@ class _Pages:
         must never read as clean.
         """
         assert self.pagemap is not None
+        scanned = self._scan(first, last)
+        if scanned is not None:
+            return scanned
         try:
             raw = os.pread(self.pagemap, (last - first + 1) * 8, first * 8)
         except OSError:
@@ -329,6 +354,32 @@ class _Pages:
         if len(raw) != (last - first + 1) * 8:
             return None
         good: np.ndarray = (np.frombuffer(raw, "<u8") & _FILE_PAGE) == _FILE_PAGE
+        return good
+
+    def _scan(self, first: int, last: int) -> np.ndarray | None:
+        """:meth:`_file_pages` from the kernel's ``PAGEMAP_SCAN``, which reports only the pages that are
+        not present or not the file's (a 440 MB tower: 0.02 ms, against 0.4-1.4 ms for reading an
+        entry per page); None where it cannot answer (an older kernel, or too many such regions)."""
+        global _pagemap_scan_works
+        if _pagemap_scan_works is False or fcntl is None:
+            return None
+        wanted = _PAGE_IS_FILE | _PAGE_IS_PRESENT
+        regions = (_PageRegion * _SCAN_REGIONS)()
+        # A page matches where either category, inverted, is set: not the file's, or not present.
+        arg = _PmScanArg(size=ctypes.sizeof(_PmScanArg), start=first * _PAGE, end=(last + 1) * _PAGE,
+                         vec=ctypes.addressof(regions), vec_len=_SCAN_REGIONS, category_inverted=wanted,
+                         category_anyof_mask=wanted, return_mask=wanted)
+        try:
+            found = fcntl.ioctl(self.pagemap, _PAGEMAP_SCAN, arg)
+        except OSError:
+            _pagemap_scan_works = False  # ENOTTY, EINVAL: a kernel without it
+            return None
+        _pagemap_scan_works = True
+        if found >= _SCAN_REGIONS or arg.walk_end != (last + 1) * _PAGE:
+            return None  # more regions than reported, or the walk stopped early
+        good = np.ones(last - first + 1, dtype=bool)
+        for region in regions[:found]:
+            good[region.start // _PAGE - first:region.end // _PAGE - first] = False
         return good
 
     def file_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[Identity, int] | None]:

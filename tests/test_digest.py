@@ -140,7 +140,43 @@ def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file)
     assert run_python(code).stdout.strip() == "ok"
 
 
-def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch):
+@pytest.fixture(params=["scan", "read"])
+def pagemap(request, monkeypatch):
+    """Pages asked of the kernel by PAGEMAP_SCAN (Linux 6.7+: only those not the file's), or each page's entry read."""
+    if request.param == "read":
+        monkeypatch.setattr(digest, "_pagemap_scan_works", False)
+    else:
+        probe = digest._Pages()
+        probe._scan(id(probe) // digest._PAGE, id(probe) // digest._PAGE)
+        probe.close()
+        if digest._pagemap_scan_works is False:
+            pytest.skip("this kernel has no PAGEMAP_SCAN")
+    return request.param
+
+
+def test_the_scan_and_the_per_page_entries_agree_page_by_page(weights_file, monkeypatch):
+    """Whatever pages a write made the process's own (a huge page of the file may be split, its other pages
+    unmapped), and whatever pages were never read in, both ways of asking report the same pages."""
+    whole = np.memmap(weights_file, dtype=np.float32, mode="c", shape=(N,))
+    whole[: N // 2].sum()  # the first half read in, the second not
+    for element in (0, 70_000, N // 2 - 1, N - 1):
+        whole[element] += 1.0
+        addr = whole.ctypes.data
+        first, last = addr // digest._PAGE, (addr + N * 4 - 1) // digest._PAGE
+        pages = digest._Pages()
+        scanned = pages._scan(first, last)
+        if scanned is None:
+            pytest.skip("this kernel has no PAGEMAP_SCAN")
+        monkeypatch.setattr(digest, "_pagemap_scan_works", False)
+        read = pages._file_pages(first, last)
+        monkeypatch.setattr(digest, "_pagemap_scan_works", True)
+        pages.close()
+        assert read is not None and np.array_equal(scanned, read)
+        assert not scanned[(addr + element * 4) // digest._PAGE - first]  # the written page: never the file's
+    del whole
+
+
+def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch, pagemap):
     """A page not present proves nothing (a /proc that reported nothing would look the same): its bytes are hashed."""
     t = _mapped(weights_file)
     known = digest_tensors("w", [("w", t)])  # remembered
@@ -154,7 +190,7 @@ def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch):
 
 @pytest.mark.parametrize("span", [(0, N), (1000, N - 333)], ids=["whole-mapping", "unaligned-slice"])
 @pytest.mark.parametrize("how", ["torch.from_file", "np.memmap"])
-def test_a_mapped_weight_written_only_in_its_last_page_gets_a_fresh_digest(weights_file, how, span):
+def test_a_mapped_weight_written_only_in_its_last_page_gets_a_fresh_digest(weights_file, how, span, pagemap):
     """Every page a tensor lies in is checked, the last one included (its final element may be all that changed)."""
     lo, hi = span
     if how == "np.memmap":
