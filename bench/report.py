@@ -66,7 +66,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "vision_pipelines": ("vision_pipelines_2026-12-03.json", "vision_pipelines_2026-12-04.json",
                          "vision_pipelines_2026-12-04b.json", "vision_pipelines_2026-12-05.json",
                          "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json",
-                         "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json"),
+                         "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json",
+                         "vision_pipelines_2026-12-06.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -102,6 +103,9 @@ STATED: dict[str, dict[str, str]] = {
     "vision_pipelines_2026-12-05e.json": {"note": "CLIP, SigLIP and OmDet-Turbo again, right after the 2026-12-05d run, "
                                                   "with three fresh processes per mode (--processes 3, plain and served "
                                                   "alternating): medians over the processes."},
+    "vision_pipelines_2026-12-06.json": {"note": "CLIP, SigLIP and OmDet-Turbo again (--processes 3), on the same "
+                                                 "machine type, after the page proof moved to PAGEMAP_SCAN and the "
+                                                 "review fixes of 2026-12-05 (a detached view per tensor)."},
     "llamacpp_never_slower_2026-12-05.json": {"note": "LlamaCppCache stores the context's state without "
                                                       "llama-cpp-python's save_state() from this run on; the same machine "
                                                       "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "
@@ -1155,7 +1159,7 @@ def pipelines_section() -> tuple[Lines, Headline]:
              "`built` in each process (anonymous memory: every call hashes the text tower's bytes), or "
              "`from_pretrained` from saved files as a user loads a checkpoint (the bytes stay the file's pages, "
              "which the kernel proves unwritten: no hashing), from the 2026-12-05b run on; SAM 3 is always built "
-             "(ultralytics copies its checkpoint into the model). Runs with `--processes 3` (2026-12-05e) take "
+             "(ultralytics copies its checkpoint into the model). Runs with `--processes 3` (2026-12-05e, 2026-12-06) take "
              "medians over three fresh processes per mode. The last column names the run (the results "
              "files above).",
              "", *table(["pipeline", "set-up", "plain: first call", "served: first call", "speed-up", "plain: steady",

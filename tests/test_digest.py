@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -146,10 +147,11 @@ def pagemap(request, monkeypatch):
     if request.param == "read":
         monkeypatch.setattr(digest, "_pagemap_scan_works", False)
     else:
+        monkeypatch.setattr(digest, "_pagemap_scan_works", None)  # asked of the kernel again, whatever came before
         probe = digest._Pages()
-        probe._scan(id(probe) // digest._PAGE, id(probe) // digest._PAGE)
+        answered = probe._scan(id(probe) // digest._PAGE, id(probe) // digest._PAGE)
         probe.close()
-        if digest._pagemap_scan_works is False:
+        if answered is None and digest._pagemap_scan_works is False:  # the ioctl itself refused
             pytest.skip("this kernel has no PAGEMAP_SCAN")
     return request.param
 
@@ -174,6 +176,22 @@ def test_the_scan_and_the_per_page_entries_agree_page_by_page(weights_file, monk
         assert read is not None and np.array_equal(scanned, read)
         assert not scanned[(addr + element * 4) // digest._PAGE - first]  # the written page: never the file's
     del whole
+
+
+def test_where_the_kernel_scans_no_page_entry_is_read(weights_file, monkeypatch, pagemap):
+    """With PAGEMAP_SCAN the proof costs one ioctl per span, never a read of 8 bytes per page, call after call."""
+    t = _mapped(weights_file)
+    if pagemap == "read":
+        pytest.skip("the per-page read is what the other branch does")
+
+    def no_reads(*args):
+        raise AssertionError("read the pagemap page by page")
+
+    monkeypatch.setattr(digest.os, "pread", no_reads)
+    for _ in range(2):
+        pages = digest._Pages()
+        assert pages.file_range(t.data_ptr(), N * 4) is not None
+        pages.close()
 
 
 def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch, pagemap):
@@ -583,3 +601,29 @@ def test_distinct_tensors_on_a_device_without_addresses_are_never_tied(lazy_devi
     assert x.data_ptr() == y.data_ptr() == 0
     assert digest_tensors("m", [("a", x), ("b", y)]) != digest_tensors("m", [("a", x), ("b", x.clone())])
     assert digest_tensors("m", [("a", x), ("b", x)]) != digest_tensors("m", [("a", x), ("b", x.clone())])  # a tie
+
+
+def test_a_large_view_that_is_not_contiguous_digests_as_its_values():
+    """Large enough for the page proof to look at it (64 MB): resolved into a copy, digested as its values."""
+    w = torch.randn(4096, 4096)
+    assert digest_tensors("m", [("t", w.t())]) == digest_tensors("m", [("t", w.t().contiguous())])
+    assert digest_tensors("m", [("t", w.t())]) != digest_tensors("m", [("t", w)])
+
+
+def test_a_tensor_whose_storage_was_freed_under_it_is_refused_not_read():
+    """A view past its storage's end (freed, as sharded training frees parameters) is a ValueError, never a read of
+    freed memory (a crash or a digest of garbage): checked in a child process, which a crash would kill."""
+    code = textwrap.dedent("""
+        import torch
+        from promptstore import digest_tensors
+        base = torch.arange(1 << 16, dtype=torch.float32)
+        views = [base[30000:40000], base[100:200].view(10, 10).t()]
+        base.untyped_storage().resize_(0)
+        for view in views:
+            try:
+                digest_tensors("m", [("t", view)])
+                print("read")
+            except ValueError:
+                print("refused")
+        """)
+    assert run_python(code).stdout.split() == ["refused", "refused"]

@@ -113,7 +113,7 @@ GROUPS = [
     Group("core", {"promptstore/_keys.py": ALL,
                    "promptstore/_digest.py": ("digest_memo_path", "_Memo.get", "_Memo.put", "_identity", "file_digest",
                                               "_Pages.__init__", "_Pages._known", "_Pages._add", "_Pages._query",
-                                              "_Pages._read_maps", "_Pages._mapping", "_Pages._file_pages", "_Pages.file_ranges",
+                                              "_Pages._read_maps", "_Pages._mapping", "_Pages._scan", "_Pages._file_pages", "_Pages.file_ranges",
                                               "_Pages.file_range", "_frame",
                                               "_Host.__init__", "_Host.buffer", "_raw", "_multipliers", "device_word_digest", "_device_sums",
                                               "_hash_bytes", "digest_tensors", "_settled", "_still", "_framed",
