@@ -361,7 +361,7 @@ class _Pages:
         not present or not the file's (a 440 MB tower: 0.02 ms, against 0.4-1.4 ms for reading an
         entry per page); None where it cannot answer (an older kernel, or too many such regions)."""
         global _pagemap_scan_works
-        if _pagemap_scan_works is False or fcntl is None:
+        if _pagemap_scan_works is False or fcntl is None or self.pagemap is None:
             return None
         wanted = _PAGE_IS_FILE | _PAGE_IS_PRESENT
         regions = (_PageRegion * _SCAN_REGIONS)()
