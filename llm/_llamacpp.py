@@ -446,7 +446,10 @@ class LlamaCppCache(BaseLlamaCache):
             if replaced is not None:
                 self.store.delete(replaced)  # its state goes with it (chained)
         except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
-            self._warn("store", exc)
+            try:
+                self._warn("store", exc)
+            except Exception:  # noqa: BLE001 - warnings made errors must not surface in a later, unrelated call
+                pass
 
     def flush(self) -> None:
         """Return once every state stored so far is in the store (written, indexed, findable by
@@ -455,6 +458,8 @@ class LlamaCppCache(BaseLlamaCache):
         A completion returns before its state is written: reading it from the context is all it
         waits for. The writes run on a background thread, which a normal interpreter exit waits
         for; a killed process loses the state it was writing (a miss, never a partial entry).
+        Call it before closing the store (``store.close()`` waits for the store's own writes,
+        not for this cache's).
         """
         self._written()
         self.store.flush()
@@ -524,12 +529,17 @@ class _Behind:
                                             initializer=background_priority)
         try:
             self._job = self._pool.submit(job)
-        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": run it here
+        except RuntimeError:  # interpreter shutdown, or no thread to be had: run it here
+            # The executor may have queued the job before failing to start a thread: drop it, so that it
+            # never runs later over buffers that hold another state by then.
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=False, cancel_futures=True)
             job()
 
     def wait(self) -> None:
         """Return once the last job has run."""
         self._forked()
-        job, self._job = self._job, None
+        job = self._job
         if job is not None:
-            job.result()
+            job.result()  # forgotten only once done: an interrupted wait (Ctrl-C) leaves it to be waited for again
+            self._job = None

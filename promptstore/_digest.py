@@ -23,6 +23,7 @@ import errno
 import os
 import re
 import sqlite3
+import stat
 import sys
 import threading
 import time
@@ -405,8 +406,8 @@ class _Pages:
                 except OSError:
                     self.stats[path] = None
             st = self.stats[path]
-            if st is None or st.st_ino != ino or st.st_dev != dev:
-                continue  # replaced or deleted since it was mapped
+            if st is None or st.st_ino != ino or st.st_dev != dev or not stat.S_ISREG(st.st_mode):
+                continue  # replaced or deleted since it was mapped; or a device's memory, not a file's bytes
             out[i] = (_identity(st), offset + (addr - start))
             first, last = addr // _PAGE, (addr + nbytes - 1) // _PAGE
             if spans and spans[-1][1] + _SPAN_GAP_PAGES >= first:  # holes between mappings read as not present
@@ -460,7 +461,7 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
     shape = tuple(t.shape)
     ident = (t.data_ptr(), t.dtype, shape, tuple(t.stride()))
-    if t.is_cpu and t.layout == torch.strided and t.numel():
+    if t.layout == torch.strided and t.numel():
         # A view past its storage's end (the storage freed or shrunk under it, as sharded training frees
         # parameters) has no bytes to read: reading them would read freed memory.
         extent = sum((n - 1) * step for n, step in zip(shape, t.stride(), strict=True)) + 1

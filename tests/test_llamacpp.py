@@ -197,6 +197,37 @@ def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_wa
     assert cache.stats["hits"] == 2 and cache.stats["served"] - served >= len(tokens(longer)) - 1
 
 
+def test_an_interrupted_wait_keeps_the_job_to_wait_for_and_a_failed_write_never_raises_later(tmp_path, reference):
+    """Ctrl-C while waiting for a write: the write is still waited for next time (its buffers are not reused
+    under it). A write that fails with warnings made errors is a miss, never an error in a later call."""
+    from promptstore.llm._llamacpp import _Behind
+
+    behind, release, ran = _Behind(), threading.Event(), []
+    behind.submit(lambda: (release.wait(60), ran.append(1)))
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real signal: it interrupts the wait
+    with pytest.raises(KeyboardInterrupt):
+        behind.wait()
+    assert ran == []  # interrupted while the job still ran
+    threading.Timer(0.3, release.set).start()
+    behind.wait()  # waits for the job the interrupted wait left
+    assert ran == [1]
+
+    llm = make_llm()
+    store = PromptStore(tmp_path / "s")
+    cache = LlamaCppCache(llm, store)
+    llm.set_cache(cache)
+
+    def broken_put(key, tensors, **kw):
+        raise OSError("disk gone")
+
+    store.put = broken_put
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
+        cache.flush()
+        assert cache.cache_size == 0
+
+
 def test_a_process_that_exits_right_after_its_completion_leaves_its_state(tmp_path, reference):
     """A normal exit waits for the state being written: a fresh process is served it."""
     folder = str(tmp_path / "s")
