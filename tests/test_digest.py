@@ -619,6 +619,9 @@ def test_a_tensor_whose_storage_was_freed_under_it_is_refused_not_read():
         base = torch.arange(1 << 16, dtype=torch.float32)
         views = [base[30000:40000], base[100:200].view(10, 10).t()]
         base.untyped_storage().resize_(0)
+        short = torch.arange(100, dtype=torch.float32)
+        views.append(short[10:20])
+        short.untyped_storage().resize_(19 * 4)  # one element short of the view's end
         for view in views:
             try:
                 digest_tensors("m", [("t", view)])
@@ -626,4 +629,4 @@ def test_a_tensor_whose_storage_was_freed_under_it_is_refused_not_read():
             except ValueError:
                 print("refused")
         """)
-    assert run_python(code).stdout.split() == ["refused", "refused"]
+    assert run_python(code).stdout.split() == ["refused", "refused", "refused"]
