@@ -461,16 +461,18 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
     shape = tuple(t.shape)
     ident = (t.data_ptr(), t.dtype, shape, tuple(t.stride()))
+    dense = t.layout == torch.strided and t.is_contiguous()
     if t.layout == torch.strided and t.numel():
         # A view past its storage's end (the storage freed or shrunk under it, as sharded training frees
-        # parameters) has no bytes to read: reading them would read freed memory.
-        extent = sum((n - 1) * step for n, step in zip(shape, t.stride(), strict=True)) + 1
-        if t.untyped_storage().nbytes() < (t.storage_offset() + extent) * t.element_size():
+        # parameters) has no bytes to read: reading them would read freed memory. (A dense view's extent
+        # is its size: the sum over strides, 1.5 us a tensor, only for the others.)
+        extent = t.nbytes if dense else (sum((n - 1) * step for n, step in zip(shape, t.stride(), strict=True)) + 1
+                                         ) * t.element_size()
+        if t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + extent:
             raise ValueError("a tensor whose storage does not hold its elements (freed or shrunk) cannot be digested")
     # Read in place only a plain dense view; a conjugate or negative view's memory is not its value: it is
     # resolved below, and digested as the values it stands for.
-    if (t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and ident[0]):
+    if t.is_cpu and dense and not t.is_conj() and not t.is_neg() and ident[0]:
         # The detached view holds the storage: swapping the tensor's .data (``.half()``, ``load_state_dict(assign=
         # True)``) before the bytes are hashed leaves them alive.
         return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t.detach())
