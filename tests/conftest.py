@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,23 @@ from redis_server import RedisClusterServers, RedisServer  # noqa: F401 - test_r
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Temporary files of the suite, and of the processes it starts, go under one folder removed when the
+# run ends: folders made with tempfile outside pytest's tmp_path would otherwise stay in /tmp after
+# every run, and a machine that runs the suite often fills its disk.
+_TMP = tempfile.mkdtemp(prefix="promptstore-tests-")
+_TMP_OWNER = os.getpid()
+tempfile.tempdir = _TMP
+os.environ["TMPDIR"] = _TMP
+
 # File digests are remembered across processes (#12); the suite keeps its own memo, shared by the
 # fresh processes it starts, instead of the user's.
 os.environ.setdefault("PROMPTSTORE_DIGESTS", str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's temporary folder (only in the process that made it: mutation runs fork)."""
+    if os.getpid() == _TMP_OWNER:
+        shutil.rmtree(_TMP, ignore_errors=True)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
