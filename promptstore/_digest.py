@@ -5,7 +5,9 @@ adapter looks at it. Names and tensors are framed with length prefixes, like key
 hold any character without colliding with the next field.
 
 Tensor bytes are never trusted from a memo by themselves: torch's version counters miss
-writes through ``param.data``. The one exception is proven by the kernel. A
+writes through ``param.data``. Two exceptions are proven by the kernel. Anonymous memory
+(weights built or copied in the process) that the kernel shows unwritten since it was hashed
+keeps its digest for the process (see ``_watch``). A
 tensor that lies in a private mapping of a file (transformers and safetensors load weights
 that way) and whose pages are all still the file's pages (a write would have copied the
 page into anonymous memory, which ``/proc/self/pagemap`` shows) holds exactly the file's
@@ -35,6 +37,18 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
+from . import _watch
+from ._kernel import (
+    PAGE_IS_FILE,
+    PAGE_IS_PRESENT,
+    PAGEMAP_SCAN,
+    PROCMAP_QUERY,
+    VMA_SHARED,
+    PageRegion,
+    PmScanArg,
+    ProcmapQuery,
+)
+
 try:
     import fcntl
 except ImportError:  # not on Windows, where no mapping is proven
@@ -46,6 +60,7 @@ __all__ = ["file_digest", "digest_tensors", "digest_memo_path", "derived_digest"
 # content we hashed (timestamps are coarse): such digests are used but never remembered.
 _RACY_S = 2.0
 _MAPPED_MIN_BYTES = 1 << 16  # smaller tensors are hashed: cheaper than looking at their pages
+_WATCHED_MIN_BYTES = 1 << 20  # smaller anonymous tensors are hashed (65 us): cheaper than protecting their pages
 _PROOF_MIN_TOTAL = 64 << 20  # below this many candidate bytes, hashing them (~4 ms) beats reading the maps
 _SPAN_GAP_PAGES = 256  # ranges this close (1 MB) share one read of /proc/self/pagemap
 _KNOWN: Any = ("known",)  # a todo item whose digest was recalled
@@ -215,39 +230,7 @@ _MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) [r-][w-][x-]p ([0-9a-f]+) ([0
 _FILE_PAGE = np.uint64((1 << 63) | (1 << 61))
 
 
-class _ProcmapQuery(ctypes.Structure):
-    """``struct procmap_query`` (linux/fs.h): the mapping that covers one address."""
-
-    _fields_ = [("size", ctypes.c_uint64), ("query_flags", ctypes.c_uint64), ("query_addr", ctypes.c_uint64),
-                ("vma_start", ctypes.c_uint64), ("vma_end", ctypes.c_uint64), ("vma_flags", ctypes.c_uint64),
-                ("vma_page_size", ctypes.c_uint64), ("vma_offset", ctypes.c_uint64), ("inode", ctypes.c_uint64),
-                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("vma_name_size", ctypes.c_uint32),
-                ("build_id_size", ctypes.c_uint32), ("vma_name_addr", ctypes.c_uint64), ("build_id_addr", ctypes.c_uint64)]
-
-
-# _IOWR('f', 17, struct procmap_query): Linux 6.11 and later answer it on /proc/self/maps.
-_PROCMAP_QUERY = (3 << 30) | (ctypes.sizeof(_ProcmapQuery) << 16) | (ord("f") << 8) | 17
-_VMA_SHARED = 0x08
 _procmap_query_works: bool | None = None  # learnt on first use: older kernels answer ENOTTY
-
-
-class _PmScanArg(ctypes.Structure):
-    """``struct pm_scan_arg`` (linux/fs.h): which pages of a range have which categories."""
-
-    _fields_ = [(name, ctypes.c_uint64) for name in (
-        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages", "category_inverted",
-        "category_mask", "category_anyof_mask", "return_mask")]
-
-
-class _PageRegion(ctypes.Structure):
-    """``struct page_region``: pages ``start`` to ``end`` (addresses) that share ``categories``."""
-
-    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
-
-
-# _IOWR('f', 16, struct pm_scan_arg): Linux 6.7 and later answer it on /proc/self/pagemap.
-_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_PmScanArg) << 16) | (ord("f") << 8) | 16
-_PAGE_IS_FILE, _PAGE_IS_PRESENT = 1 << 2, 1 << 3  # what bits 61 and 63 of a pagemap entry say
 _SCAN_REGIONS = 64  # regions of pages not the file's that one scan reports; more: read every page's entry
 _pagemap_scan_works: bool | None = None  # learnt on first use: older kernels answer ENOTTY
 
@@ -296,10 +279,10 @@ class _Pages:
         if _procmap_query_works is False or self._maps_fd is None or fcntl is None:
             return False
         name = ctypes.create_string_buffer(4096)
-        q = _ProcmapQuery(size=ctypes.sizeof(_ProcmapQuery), query_addr=addr, vma_name_size=len(name),
+        q = ProcmapQuery(size=ctypes.sizeof(ProcmapQuery), query_addr=addr, vma_name_size=len(name),
                           vma_name_addr=ctypes.addressof(name))
         try:
-            fcntl.ioctl(self._maps_fd, _PROCMAP_QUERY, q)
+            fcntl.ioctl(self._maps_fd, PROCMAP_QUERY, q)
         except OSError as exc:
             if exc.errno == errno.ENOENT:  # nothing mapped there
                 _procmap_query_works = True
@@ -308,7 +291,7 @@ class _Pages:
             return False
         _procmap_query_works = True
         path = name.value.decode("utf-8", "surrogateescape") if q.vma_name_size else ""
-        if q.vma_flags & _VMA_SHARED or not q.inode or not path.startswith("/"):
+        if q.vma_flags & VMA_SHARED or not q.inode or not path.startswith("/"):
             return None
         return (q.vma_start, q.vma_end, q.vma_offset, os.makedev(q.dev_major, q.dev_minor), q.inode, path)
 
@@ -364,14 +347,14 @@ class _Pages:
         global _pagemap_scan_works
         if _pagemap_scan_works is False or fcntl is None or self.pagemap is None:
             return None
-        wanted = _PAGE_IS_FILE | _PAGE_IS_PRESENT
-        regions = (_PageRegion * _SCAN_REGIONS)()
+        wanted = PAGE_IS_FILE | PAGE_IS_PRESENT
+        regions = (PageRegion * _SCAN_REGIONS)()
         # A page matches where either category, inverted, is set: not the file's, or not present.
-        arg = _PmScanArg(size=ctypes.sizeof(_PmScanArg), start=first * _PAGE, end=(last + 1) * _PAGE,
+        arg = PmScanArg(size=ctypes.sizeof(PmScanArg), start=first * _PAGE, end=(last + 1) * _PAGE,
                          vec=ctypes.addressof(regions), vec_len=_SCAN_REGIONS, category_inverted=wanted,
                          category_anyof_mask=wanted, return_mask=wanted)
         try:
-            found = fcntl.ioctl(self.pagemap, _PAGEMAP_SCAN, arg)
+            found = fcntl.ioctl(self.pagemap, PAGEMAP_SCAN, arg)
         except OSError:
             _pagemap_scan_works = False  # ENOTTY, EINVAL: a kernel without it
             return None
@@ -437,11 +420,14 @@ class _Host:
     """A host tensor's bytes: where they lie and how many, read in place only when hashed (a
     tensor the page proof names is never read; a numpy view per tensor cost CLIP's text tower ~1 ms a call)."""
 
-    __slots__ = ("address", "size", "_source")
+    __slots__ = ("address", "size", "_source", "watchable")
 
-    def __init__(self, address: int, size: int, source: Any) -> None:
+    def __init__(self, address: int, size: int, source: Any, in_place: bool) -> None:
         self.address, self.size = address, size
         self._source = source  # keeps the memory alive while this names it
+        # The tensor's own memory, large enough for the write watch to beat hashing (a copy made
+        # to be hashed is freed after the call: nothing to watch).
+        self.watchable = in_place and size >= _WATCHED_MIN_BYTES
 
     def buffer(self) -> Any:
         """The bytes, without a copy: a flat uint8 array, or the memory at ``address`` (a CPU tensor)."""
@@ -455,7 +441,7 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
     if isinstance(t, np.ndarray):
         arr = np.ascontiguousarray(t).reshape(-1).view(np.uint8)
         ident = (t.__array_interface__["data"][0], t.dtype.str, t.shape, t.strides)
-        return t.dtype.str, tuple(t.shape), ident, _Host(arr.__array_interface__["data"][0], arr.size, arr)
+        return t.dtype.str, tuple(t.shape), ident, _Host(arr.__array_interface__["data"][0], arr.size, arr, t.flags.c_contiguous)
     torch = sys.modules.get("torch")  # a tensor means torch is loaded: the core never imports it
     if torch is None or not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
@@ -475,14 +461,14 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
     if t.is_cpu and dense and not t.is_conj() and not t.is_neg() and ident[0]:
         # The detached view holds the storage: swapping the tensor's .data (``.half()``, ``load_state_dict(assign=
         # True)``) before the bytes are hashed leaves them alive.
-        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t.detach())
+        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t.detach(), True)
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         # Copying every weight to the host on every request would cost more than the hit saves
         # (16 GB for an 8B fp16 model): reduce on the device, bring 16 bytes back.
         return f"{t.dtype}@device", shape, ident, _DeviceSums(_device_sums(torch, flat))
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
-    return str(t.dtype), shape, ident, _Host(data.__array_interface__["data"][0], data.size, data)
+    return str(t.dtype), shape, ident, _Host(data.__array_interface__["data"][0], data.size, data, False)
 
 
 _CHUNK_WORDS = 1 << 24  # 16M words per step: temporaries of 64 MB at most
@@ -551,9 +537,10 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
 
     The bytes are hashed on every call (about 15 GB/s on one core), never memoised on
     version counters: an in-place write that no version counter sees (``param.data[...] += x``)
-    still changes the digest. The one shortcut is proven by the kernel: a CPU tensor whose
+    still changes the digest. The shortcuts are proven by the kernel: a CPU tensor whose
     pages are all still the pages of the file it was mapped from holds that file's bytes, and
-    their digest is recalled by the file's identity (see the module docstring). A tensor
+    their digest is recalled by the file's identity; one in anonymous memory that no write
+    has reached since it was hashed keeps that digest (see the module docstring). A tensor
     shared under several names (tied weights) is hashed once, its other names recorded as ties.
 
     Args:
@@ -586,6 +573,15 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
                 continue
             todo.append((len(fields), data, None))
             fields.append(b"")  # its digest, filled in below
+        # Anonymous memory the kernel shows unwritten since it was last hashed (see _watch).
+        watch = _watch.write_watch() if any(data.watchable for _, data, _ in todo) else None
+        if watch is not None:
+            asked = [i for i, (_, data, _) in enumerate(todo) if data.watchable]
+            for i, known in zip(asked, watch.recall([(todo[i][1].address, todo[i][1].size) for i in asked]), strict=True):
+                if known is not None:
+                    fields[todo[i][0]] = known
+                    todo[i] = (todo[i][0], todo[i][1], _KNOWN)
+            todo = [item for item in todo if item[2] is not _KNOWN]
         # The page proof may read all of /proc/self/maps (~3 ms in a process holding torch, on kernels
         # without PROCMAP_QUERY): worth it only when it spares hashing more bytes than that costs
         # (a YOLOE head's 1 MB is hashed).
@@ -611,6 +607,9 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
         host = torch.stack([sums.to(on_device[0][1].device) for _, sums in on_device]).cpu().numpy()
         for (slot, _), row in zip(on_device, host, strict=True):
             fields[slot] = _hash_bytes(np.ascontiguousarray(row).view(np.uint8))
+    # Protected before hashing: a write while it is hashed shows at the next recall.
+    protected = [(slot, watch.protect(data.address, data.size)) for slot, data, where in todo
+                 if where is None and data.watchable] if watch is not None else []
     # xxh3 releases the GIL: large tensors are hashed on several cores, each to its own digest
     # (SmolLM2's 540 MB: 37 ms -> 25 ms on 2 cores).
     big = [item for item in todo if item[1].size >= _PARALLEL_BYTES]
@@ -631,6 +630,9 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
             if files[where[0]]:
                 rows.append((where[0], where[1], data.size, fields[slot]))
     _memo.put(rows)
+    for slot, protection in protected:
+        if protection is not None:
+            watch.remember(protection, fields[slot])  # type: ignore[union-attr]
     for f in fields:
         h.update(f)
     return h.hexdigest()

@@ -1,0 +1,243 @@
+"""The write watch: anonymous weights the kernel shows unwritten are not hashed again, and every
+way of writing them (from Python, native code, the kernel, another thread, a forked process,
+discarded pages, memory reused by another allocation) gives the digest of the new bytes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import promptstore._digest as digest_module
+from promptstore import digest_tensors
+from promptstore._watch import write_watch
+
+pytestmark = pytest.mark.skipif(write_watch() is None, reason="no asynchronous write protection on this kernel")
+
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The byte counts hashed, per call of the digest's hash (the identity is untouched)."""
+    sizes: list[int] = []
+    real = digest_module._hash_bytes
+
+    def counting(data):
+        sizes.append(data.size)
+        return real(data)
+
+    monkeypatch.setattr(digest_module, "_hash_bytes", counting)
+    return sizes
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    return digest_tensors("w", [(f"t{i}", t) for i, t in enumerate(tensors)])
+
+
+def fresh(*tensors: torch.Tensor) -> str:
+    """The digest of the same bytes in memory never digested: hashed, whatever the watch knows."""
+    return digest(*(t.clone() for t in tensors))
+
+
+def weights(n: int = 3, rows: int = 1024) -> list[torch.Tensor]:
+    return [torch.randn(rows, 1024) for _ in range(n)]
+
+
+def test_unwritten_weights_are_not_hashed_again(hashed):
+    ws = weights()
+    first = digest(*ws)
+    assert sum(hashed) == sum(w.nbytes for w in ws)
+    hashed.clear()
+    assert digest(*ws) == first
+    assert hashed == []  # all three recalled
+    assert first == fresh(*ws)
+
+
+def _write_numpy(t: torch.Tensor) -> None:
+    t.numpy()[500, 7] += 1.0
+
+
+def _write_data(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.data[3, 1000] = 42.0
+
+
+def _write_memmove(t: torch.Tensor) -> None:
+    ctypes.memmove(t.data_ptr() + 300 * PAGE + 8, b"\x01\x02\x03\x04", 4)
+
+
+def _write_by_kernel(t: torch.Tensor, tmp_path) -> None:
+    src = tmp_path / "bytes"
+    src.write_bytes(b"\x7f" * (2 * PAGE))
+    with open(src, "rb") as f:
+        f.readinto(memoryview(t.numpy()).cast("B")[100 * PAGE + 5:102 * PAGE + 5])
+
+
+def _write_from_thread(t: torch.Tensor) -> None:
+    th = threading.Thread(target=lambda: t.numpy().__setitem__((900, 900), -3.0))
+    th.start()
+    th.join()
+
+
+def _write_proc_mem(t: torch.Tensor) -> None:
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(t.data_ptr() + 77 * PAGE)
+        mem.write(b"\xff" * 16)
+
+
+def _discard_page(t: torch.Tensor) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = -(-t.data_ptr() // PAGE) * PAGE + 40 * PAGE
+    assert libc.madvise(start, PAGE, 4) == 0  # MADV_DONTNEED: the page reads as zeros
+
+
+def _write_first_byte(t: torch.Tensor) -> None:
+    t.view(-1)[0] = 1e9  # the first page, shared with whatever lies before the tensor
+
+
+def _write_last_byte(t: torch.Tensor) -> None:
+    t.view(-1)[-1] = -1e9
+
+
+WRITES = {"numpy": _write_numpy, "data": _write_data, "memmove": _write_memmove, "thread": _write_from_thread,
+          "proc_mem": _write_proc_mem, "discarded page": _discard_page, "first byte": _write_first_byte,
+          "last byte": _write_last_byte}
+
+
+@pytest.mark.parametrize("how", [*WRITES, "kernel read"])
+def test_every_write_changes_the_digest(how, tmp_path):
+    ws = weights()
+    before = digest(*ws)
+    digest(*ws)  # recalled
+    if how == "kernel read":
+        _write_by_kernel(ws[1], tmp_path)
+    else:
+        WRITES[how](ws[1])
+    after = digest(*ws)
+    assert after != before
+    assert after == fresh(*ws)
+    assert digest(*ws) == after  # and remembered again
+
+
+def test_a_neighbour_writing_a_shared_page_is_hashed_again_not_trusted(hashed):
+    block = torch.randn(3 * 1024 * 1024 + 7)  # one allocation, two tensors sharing a page
+    a, b = block[:2 * 1024 * 1024 + 3], block[2 * 1024 * 1024 + 3:]
+    first = digest(a)
+    hashed.clear()
+    b[0] = 5.0  # b's first element lies in a's last page
+    assert digest(a) == first
+    assert sum(hashed) == a.nbytes  # the write was seen: hashed again
+
+
+def test_memory_mapped_again_under_a_tensor_is_hashed():
+    """The same addresses, new pages (a mapping replaced, as an allocator frees and maps again)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    n, rw, private_anonymous, fixed = 8 << 20, 3, 0x22, 0x10
+    address = libc.mmap(None, n, rw, private_anonymous, -1, 0)
+    try:
+        t = torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.float32)
+        t.fill_(1.5)
+        before = digest(t)
+        assert digest(t) == before
+        assert libc.mmap(address, n, rw, private_anonymous | fixed, -1, 0) == address  # zero pages, unregistered
+        assert digest(t) == fresh(t) != before
+        t.fill_(1.5)
+        assert digest(t) == before
+    finally:
+        libc.munmap(address, n)
+
+
+def test_protecting_an_overlapping_view_forgets_the_whole():
+    """Protecting a view resets the kernel's record of writes to its pages: a remembered digest of the
+    tensor around it must not survive on that record."""
+    w = torch.randn(4096, 1024)
+    before = digest(w)
+    w[2000, 0] = 123.0  # written: the whole tensor's pages show it...
+    view = w[1500:2500]  # (4 MB: large enough to be watched)
+    digest(view)  # ...until the view's protection resets them
+    after = digest(w)
+    assert after != before
+    assert after == fresh(w)
+
+
+def test_a_protection_after_the_hash_started_keeps_it_from_being_remembered():
+    watch = write_watch()
+    w = torch.randn(2048, 1024)
+    key = (w.data_ptr(), w.nbytes)
+    first = watch.protect(*key)
+    w[66, 0] = 1.0  # a write while the first protection's bytes are hashed...
+    second = watch.protect(w.data_ptr() + 64 * PAGE, 8 * PAGE)  # ...and a newer protection that resets it
+    watch.remember(first, b"stale")
+    assert watch.recall([key]) == [None]
+    watch.remember(second, b"view")
+    assert watch.recall([(w.data_ptr() + 64 * PAGE, 8 * PAGE)]) == [b"view"]
+
+
+def test_a_forked_child_writes_its_own_copy_and_digests_it_right():
+    w = torch.randn(2048, 1024)
+    before = digest(w)
+    digest(w)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            torch.set_num_threads(1)  # OpenMP's thread team does not survive fork
+            ok = write_watch() is not None and digest(w) == before
+            w[7, 7] = 99.0
+            ok = ok and digest(w) != before and digest(w) == fresh(w)
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert digest(w) == before == fresh(w)  # the child's writes were to its own copy
+    w[7, 7] = 99.0  # the parent's write after fork (pages shared copy-on-write) is seen too
+    assert digest(w) == fresh(w) != before
+
+
+def test_shared_memory_is_never_trusted(hashed):
+    w = torch.randn(2048, 1024).share_memory_()
+    before = digest(w)
+    hashed.clear()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child writes through its own mapping
+        w[5, 5] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert digest(w) == fresh(w) != before
+    assert hashed and hashed[0] == w.nbytes  # hashed every time, never recalled
+
+
+def test_a_numpy_array_and_a_strided_copy():
+    a = np.random.rand(512, 1024)
+    before = digest_tensors("a", [("a", a), ("t", a.T)])
+    a[3, 3] = 0.5
+    assert digest_tensors("a", [("a", a), ("t", a.T)]) == digest_tensors("a", [("a", a.copy()), ("t", a.T.copy())]) != before
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2 * 1024 * 1024 - 1), st.booleans()), max_size=12))
+def test_random_writes_and_digests_agree_with_hashing(steps):
+    """Writes anywhere (an edge, the middle, one of several tensors), each followed or not by a digest."""
+    block = torch.zeros(5 * 2 * 1024 * 1024 + 3)
+    ws = [block[i * 2 * 1024 * 1024 + 1:(i + 1) * 2 * 1024 * 1024 + 1] for i in range(5)]
+    digest(*ws)
+    for k, (which, at, check) in enumerate(steps):
+        ws[which][at] = k + 1.0
+        if check:
+            assert digest(*ws) == fresh(*ws)
+    assert digest(*ws) == fresh(*ws)
