@@ -46,6 +46,8 @@ class PageRegion(ctypes.Structure):
 
 # Linux 6.7 and later answer it on /proc/self/pagemap.
 PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(PmScanArg))
+PM_SCAN_WP_MATCHING = 1 << 0  # write-protect the pages that match, in the same walk
+PM_SCAN_CHECK_WPASYNC = 1 << 1  # fail unless every mapping walked is registered for asynchronous protection
 # Page categories of PAGEMAP_SCAN.
 PAGE_IS_WPALLOWED = 1 << 0  # in a mapping registered for asynchronous write protection
 PAGE_IS_WRITTEN = 1 << 1  # not write-protected: written since it was protected, or never protected
@@ -72,18 +74,10 @@ class UffdioRegister(ctypes.Structure):
     _fields_ = [("range", UffdioRange), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64)]
 
 
-class UffdioWriteprotect(ctypes.Structure):
-    """``struct uffdio_writeprotect``: a range to write-protect (or unprotect)."""
-
-    _fields_ = [("range", UffdioRange), ("mode", ctypes.c_uint64)]
-
-
 UFFD_API = 0xAA
 UFFDIO_API = _iowr(0xAA, 0x3F, ctypes.sizeof(UffdioApi))
 UFFDIO_REGISTER = _iowr(0xAA, 0x00, ctypes.sizeof(UffdioRegister))
-UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, ctypes.sizeof(UffdioWriteprotect))
 UFFDIO_REGISTER_MODE_WP = 1 << 1
-UFFDIO_WRITEPROTECT_MODE_WP = 1 << 0
 # Linux 6.7: a write to a protected page is resolved in the kernel (no thread waits on the fd), and
 # leaves the page unprotected, which PAGEMAP_SCAN reports as written. Anonymous memory needs
 # WP_UNPOPULATED for its mappings to count as write-protect-allowed.

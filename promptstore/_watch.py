@@ -36,6 +36,8 @@ from ._kernel import (
     PAGE_IS_WPALLOWED,
     PAGE_IS_WRITTEN,
     PAGEMAP_SCAN,
+    PM_SCAN_CHECK_WPASYNC,
+    PM_SCAN_WP_MATCHING,
     PROCMAP_QUERY,
     SYS_USERFAULTFD,
     UFFD_API,
@@ -44,8 +46,6 @@ from ._kernel import (
     UFFDIO_API,
     UFFDIO_REGISTER,
     UFFDIO_REGISTER_MODE_WP,
-    UFFDIO_WRITEPROTECT,
-    UFFDIO_WRITEPROTECT_MODE_WP,
     VMA_SHARED,
     PageRegion,
     PmScanArg,
@@ -53,7 +53,6 @@ from ._kernel import (
     UffdioApi,
     UffdioRange,
     UffdioRegister,
-    UffdioWriteprotect,
 )
 
 try:
@@ -70,6 +69,7 @@ _UFFD_USER_MODE_ONLY = 1  # lets an unprivileged process open one; the kernel st
 # later; a swapped page is hashed again rather than trusted), written, or a file's page.
 _INVERTED = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT
 _ANY_BAD = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_FILE
+_MAPPED_KINDS = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_FILE
 
 
 class Protected(NamedTuple):
@@ -83,9 +83,40 @@ class Protected(NamedTuple):
 
 
 class _Known(NamedTuple):
+    """A remembered digest, and the range's own bytes in its first and last pages where it shares them."""
+
     digest: bytes
+    address: int
+    nbytes: int
     lo: int
     hi: int
+    head: bytes | None  # the range's bytes in its first page, if that page holds other bytes too
+    tail: bytes | None  # the same in its last page
+
+    def valid_despite(self, regions: list[tuple[int, int, int]], compare: bool) -> bool:
+        """Whether the digest still holds though these regions (start, end, page categories) broke the proof.
+
+        It does where they touch none of the range's pages; or, with ``compare`` (only for a range whose
+        memory is alive: its pages stay mapped), where they touch only pages the range shares with its
+        neighbours, mapped and present, and its own bytes there are as they were hashed.
+        """
+        touched = [(start, end, kind) for start, end, kind in regions if start < self.hi and self.lo < end]
+        if not touched:
+            return True
+        if not compare:
+            return False
+        first_end, last_start = self.lo + _PAGE, self.hi - _PAGE
+        for start, end, kind in touched:
+            if kind & _MAPPED_KINDS != PAGE_IS_WPALLOWED | PAGE_IS_PRESENT:
+                return False  # unmapped, not present, or a file's page: nothing there to compare
+            if start < last_start and first_end < end:
+                return False  # a page the range fills alone
+            if start < first_end and self.head is None or end > last_start and self.tail is None:
+                return False  # a shared page whose bytes were not kept
+        if self.head is not None and ctypes.string_at(self.address, len(self.head)) != self.head:
+            return False
+        end = self.address + self.nbytes
+        return self.tail is None or ctypes.string_at(end - len(self.tail), len(self.tail)) == self.tail
 
 
 class WriteWatch:
@@ -101,9 +132,10 @@ class WriteWatch:
         self._lock = threading.Lock()
         self._known: dict[tuple[int, int], _Known] = {}
         self._serial = 0
-        # Recent protections (serial, lo, hi): a digest hashed under an older protection is not
-        # remembered if a newer one overlapping it reset the kernel's record of writes meanwhile.
+        # The written pages recent protections found (serial, start, end): a digest hashed under an older
+        # protection is not remembered if a newer one found and protected again a write to its pages.
         self._recent: list[tuple[int, int, int]] = []
+        self._forgotten = 0  # the newest serial whose writes may have been dropped from that list
 
     def recall(self, ranges: list[tuple[int, int]]) -> list[bytes | None]:
         """Per ``(address, nbytes)``: its remembered digest where the kernel shows no page written since, else None."""
@@ -123,18 +155,16 @@ class WriteWatch:
                     found = self._known.get(ranges[i])
                     if found is None:
                         continue  # the same range asked twice, found written the first time
-                    if bad is None:  # more regions than one scan reports: ask of this range alone
-                        clean = self._bad(found.lo, found.hi, 1) == []
-                    else:
-                        clean = not any(start < found.hi and found.lo < end for start, end in bad)
-                    if clean:
+                    mine = bad if bad is not None else self._bad(found.lo, found.hi, 8)  # too many regions: alone
+                    if mine is not None and found.valid_despite(mine, compare=True):
                         out[i] = found.digest
                     else:
                         del self._known[ranges[i]]
         return out
 
-    def _bad(self, lo: int, hi: int, regions: int) -> list[tuple[int, int]] | None:
-        """The regions of ``[lo, hi)`` whose pages break the proof; None if the kernel reported more than asked for."""
+    def _bad(self, lo: int, hi: int, regions: int) -> list[tuple[int, int, int]] | None:
+        """The regions of ``[lo, hi)`` whose pages break the proof (start, end, categories); None if the kernel
+        reported more than asked for."""
         if fcntl is None:
             return None
         vec = (PageRegion * regions)()
@@ -148,7 +178,7 @@ class WriteWatch:
             return None
         if arg.walk_end != hi and not (regions == 1 and found == 1):
             return None  # the walk stopped with the vector full: there may be more
-        return [(r.start, r.end) for r in vec[:found]]
+        return [(r.start, r.end, r.categories) for r in vec[:found]]
 
     def protect(self, address: int, nbytes: int) -> Protected | None:
         """Register and write-protect the pages of a private anonymous range, before it is hashed.
@@ -165,27 +195,70 @@ class WriteWatch:
         with self._lock:
             try:
                 fcntl.ioctl(self._uffd, UFFDIO_REGISTER, UffdioRegister(range=rng, mode=UFFDIO_REGISTER_MODE_WP))
-                fcntl.ioctl(self._uffd, UFFDIO_WRITEPROTECT, UffdioWriteprotect(range=rng, mode=UFFDIO_WRITEPROTECT_MODE_WP))
             except OSError:
                 return None  # EBUSY (another userfaultfd's), EINVAL, ENOMEM (unmapped meanwhile)
+            written = self._protect_written(lo, hi)
+            if written is None:
+                return None
             self._serial += 1
-            for key in [k for k, known in self._known.items() if known.lo < hi and lo < known.hi]:
-                del self._known[key]  # their record of writes was just reset
-            self._recent.append((self._serial, lo, hi))
+            # A remembered range sharing pages with this one (a neighbour's edge page, a view's whole) stays
+            # valid where those pages were still protected: protecting them again changed nothing. Where
+            # they had been written, it is no longer valid, and the kernel's record of that write is gone.
+            for key in [k for k, known in self._known.items() if not known.valid_despite(written, compare=False)]:
+                del self._known[key]
+            self._recent.extend((self._serial, start, end) for start, end, _ in written)
             if len(self._recent) > 4096:
-                del self._recent[:2048]
+                self._forgotten = self._recent[-2049][0]
+                del self._recent[:-2048]
             return Protected(address, nbytes, lo, hi, self._serial)
+
+    def _protect_written(self, lo: int, hi: int) -> list[tuple[int, int, int]] | None:
+        """Write-protect the written pages of ``[lo, hi)`` and say which they were, in one walk of the kernel's
+        (a page is reported and protected under its page table's lock: a write is either reported here or
+        seen by the next scan). None if the range could not be protected."""
+        written: list[tuple[int, int, int]] = []
+        vec = (PageRegion * 64)()
+        start = lo
+        while start < hi:
+            arg = PmScanArg(size=ctypes.sizeof(PmScanArg), flags=PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                            start=start, end=hi, vec=ctypes.addressof(vec), vec_len=len(vec),
+                            category_mask=PAGE_IS_WRITTEN, return_mask=PAGE_IS_WRITTEN)
+            try:
+                found = fcntl.ioctl(self._pagemap, PAGEMAP_SCAN, arg)
+            except OSError:
+                return None
+            written.extend((r.start, r.end, r.categories) for r in vec[:found])
+            if arg.walk_end <= start:
+                return None
+            start = arg.walk_end
+        return written
 
     def remember(self, protected: Protected, digest: bytes) -> None:
         """Remember the digest of a range hashed after :meth:`protect`."""
         with self._lock:
-            oldest = self._recent[0][0] if self._recent else self._serial + 1
-            if protected.serial < oldest:
-                return  # its later protections are no longer listed
+            if protected.serial < self._forgotten:
+                return  # writes that later protections found are no longer all listed
             for serial, lo, hi in self._recent:
                 if serial > protected.serial and lo < protected.hi and protected.lo < hi:
                     return
-            self._known[(protected.address, protected.nbytes)] = _Known(digest, protected.lo, protected.hi)
+            end = protected.address + protected.nbytes
+            head = self._shared_bytes(protected.lo, protected.address, min(end, protected.lo + _PAGE))
+            tail = self._shared_bytes(protected.hi - _PAGE, max(protected.address, protected.hi - _PAGE), end)
+            self._known[(protected.address, protected.nbytes)] = _Known(
+                digest, protected.address, protected.nbytes, protected.lo, protected.hi, head, tail)
+
+    def _shared_bytes(self, page: int, start: int, end: int) -> bytes | None:
+        """The range's bytes ``[start, end)`` in ``page`` where the page also holds other bytes, copied only if the
+        page was not written since it was protected (so they are the bytes that were hashed); else None.
+
+        A page the range shares with a neighbour is written whenever the neighbour is: its bytes are then
+        compared rather than the page's state trusted. Copied before the page is asked about: a write
+        between the two shows in the answer.
+        """
+        if start == page and end == page + _PAGE:
+            return None  # the range's own page: its state is the proof
+        kept = ctypes.string_at(start, end - start)
+        return kept if self._bad(page, page + _PAGE, 1) == [] else None
 
     def _private_anonymous(self, lo: int, hi: int) -> bool:
         """Whether ``[lo, hi)`` lies in private anonymous mappings only, with no hole."""
