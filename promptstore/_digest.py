@@ -526,8 +526,16 @@ def _device_sums(torch: Any, flat: Any) -> Any:
     return sums
 
 
-def _hash_bytes(data: np.ndarray | _Host) -> bytes:
+def _hash_bytes(data: np.ndarray | _Host, protected: _watch.Protected | None = None) -> bytes:
     if isinstance(data, _Host):
+        if protected is not None and (protected.head is not None or protected.tail is not None):
+            # The copies of the bytes the range shares pages with, and its own pages in place: the same xxh3
+            # as one pass over the memory (streaming and one-shot agree), of the bytes a recall compares.
+            head, tail = protected.head or b"", protected.tail or b""
+            h = xxhash.xxh3_128(head)
+            h.update((ctypes.c_char * (data.size - len(head) - len(tail))).from_address(data.address + len(head)))
+            h.update(tail)
+            return h.digest()
         return xxhash.xxh3_128_digest(data.buffer())
     return xxhash.xxh3_128_digest(data.data) if data.size else xxhash.xxh3_128_digest(b"")
 
@@ -608,17 +616,18 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
         for (slot, _), row in zip(on_device, host, strict=True):
             fields[slot] = _hash_bytes(np.ascontiguousarray(row).view(np.uint8))
     # Protected before hashing: a write while it is hashed shows at the next recall.
-    protected = [(slot, watch.protect(data.address, data.size)) for slot, data, where in todo
-                 if where is None and data.watchable] if watch is not None else []
+    protected = {slot: watch.protect(data.address, data.size) for slot, data, where in todo
+                 if where is None and data.watchable} if watch is not None else {}
     # xxh3 releases the GIL: large tensors are hashed on several cores, each to its own digest
     # (SmolLM2's 540 MB: 37 ms -> 25 ms on 2 cores).
     big = [item for item in todo if item[1].size >= _PARALLEL_BYTES]
     for slot, data, _ in todo:
         if data.size < _PARALLEL_BYTES:
-            fields[slot] = _hash_bytes(data)
+            fields[slot] = _hash_bytes(data, protected.get(slot))
     if big:
         with ThreadPoolExecutor(max_workers=min(len(big), os.cpu_count() or 1, 8)) as pool:
-            for (slot, _, _), digest in zip(big, pool.map(lambda item: _hash_bytes(item[1]), big), strict=True):
+            hashed = pool.map(lambda item: _hash_bytes(item[1], protected.get(item[0])), big)
+            for (slot, _, _), digest in zip(big, hashed, strict=True):
                 fields[slot] = digest
     # Remembered only if the file is still the version whose pages were checked, and settled.
     files: dict[Identity, bool] = {}
@@ -630,7 +639,7 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
             if files[where[0]]:
                 rows.append((where[0], where[1], data.size, fields[slot]))
     _memo.put(rows)
-    for slot, protection in protected:
+    for slot, protection in protected.items():
         if protection is not None:
             watch.remember(protection, fields[slot])  # type: ignore[union-attr]
     for f in fields:

@@ -80,6 +80,11 @@ class Protected(NamedTuple):
     lo: int  # first byte of the first page
     hi: int  # end of the last page
     serial: int  # this protection's place among the watch's protections
+    # The range's own bytes in its first and last pages, copied after the protection, where it shares
+    # those pages with other memory (None where it fills the page): hash these copies, not the memory
+    # there, so that the digest is of exactly the bytes a later recall compares.
+    head: bytes | None
+    tail: bytes | None
 
 
 class _Known(NamedTuple):
@@ -210,7 +215,14 @@ class WriteWatch:
             if len(self._recent) > 4096:
                 self._forgotten = self._recent[-2049][0]
                 del self._recent[:-2048]
-            return Protected(address, nbytes, lo, hi, self._serial)
+            end = address + nbytes
+            head = tail = None
+            if hi - lo > 2 * _PAGE:  # (a range of two pages or fewer is proven by its pages alone)
+                if address != lo:
+                    head = ctypes.string_at(address, lo + _PAGE - address)
+                if end != hi:
+                    tail = ctypes.string_at(hi - _PAGE, end - (hi - _PAGE))
+            return Protected(address, nbytes, lo, hi, self._serial, head, tail)
 
     def _protect_written(self, lo: int, hi: int) -> list[tuple[int, int, int]] | None:
         """Write-protect the written pages of ``[lo, hi)`` and say which they were, in one walk of the kernel's
@@ -241,24 +253,8 @@ class WriteWatch:
             for serial, lo, hi in self._recent:
                 if serial > protected.serial and lo < protected.hi and protected.lo < hi:
                     return
-            end = protected.address + protected.nbytes
-            head = self._shared_bytes(protected.lo, protected.address, min(end, protected.lo + _PAGE))
-            tail = self._shared_bytes(protected.hi - _PAGE, max(protected.address, protected.hi - _PAGE), end)
             self._known[(protected.address, protected.nbytes)] = _Known(
-                digest, protected.address, protected.nbytes, protected.lo, protected.hi, head, tail)
-
-    def _shared_bytes(self, page: int, start: int, end: int) -> bytes | None:
-        """The range's bytes ``[start, end)`` in ``page`` where the page also holds other bytes, copied only if the
-        page was not written since it was protected (so they are the bytes that were hashed); else None.
-
-        A page the range shares with a neighbour is written whenever the neighbour is: its bytes are then
-        compared rather than the page's state trusted. Copied before the page is asked about: a write
-        between the two shows in the answer.
-        """
-        if start == page and end == page + _PAGE:
-            return None  # the range's own page: its state is the proof
-        kept = ctypes.string_at(start, end - start)
-        return kept if self._bad(page, page + _PAGE, 1) == [] else None
+                digest, protected.address, protected.nbytes, protected.lo, protected.hi, protected.head, protected.tail)
 
     def _private_anonymous(self, lo: int, hi: int) -> bool:
         """Whether ``[lo, hi)`` lies in private anonymous mappings only, with no hole."""

@@ -128,7 +128,7 @@ def test_a_fresh_process_names_mapped_weights_without_hashing_them(weights_file)
         digest._PROOF_MIN_TOTAL = 0  # a small file: use the page proof anyway
         hashed = []
         real = digest._hash_bytes
-        digest._hash_bytes = lambda data: (hashed.append(data.size), real(data))[1]
+        digest._hash_bytes = lambda data, *rest: (hashed.append(data.size), real(data, *rest))[1]
         t = torch.from_file({str(weights_file)!r}, shared=False, size={N}, dtype=torch.float32)
         t.sum()  # pages read in, as load_model leaves a model's
         child = digest.digest_tensors("w", [("w", t)])
@@ -201,7 +201,7 @@ def test_pages_not_read_in_are_hashed_not_trusted(weights_file, monkeypatch, pag
     fresh = _mapped(weights_file, touch=False)
     hashed = []
     real = digest._hash_bytes
-    monkeypatch.setattr(digest, "_hash_bytes", lambda data: (hashed.append(data.size), real(data))[1])
+    monkeypatch.setattr(digest, "_hash_bytes", lambda data, *rest: (hashed.append(data.size), real(data, *rest))[1])
     assert digest_tensors("w", [("w", fresh)]) == known
     assert N * 4 in hashed
 
