@@ -17,9 +17,20 @@ remembered digest whose pages overlap a newly protected range is forgotten.
 
 Outside the proof, and hashed every time as before: shared mappings (another process writes
 through page tables of its own), file mappings (a file can change under a private mapping;
-``_digest`` proves those its own way), memory that a device may write by DMA (nothing is
-proven once a CUDA context exists), a child after ``fork()`` until it hashes again (its
+``_digest`` proves those its own way), a child after ``fork()`` until it hashes again (its
 mappings are not registered), and kernels or sandboxes without userfaultfd.
+
+What the proof cannot see: a write that does not go through the page tables. Memory pinned for
+a device or for the kernel's asynchronous I/O (a CUDA or ROCm context's pinned buffers, RDMA
+registrations, VFIO, io_uring's fixed buffers, an ``O_DIRECT`` read in flight) is written by
+DMA into the physical page, and the page still reads as unwritten. So the watch is off for
+good in a process once it holds a file that can do that (``/dev/nvidia*``, ``/dev/kfd``,
+``/dev/dri/*``, ``/dev/accel/*``, ``/dev/infiniband/*``, ``/dev/vfio/*``, ``/dev/iommu``, an
+io_uring) or once torch has a CUDA context: checked at every fingerprint, before anything is
+recalled. A device opened, used to write the weights and closed between two fingerprints,
+an AF_XDP socket's memory, or an ``O_DIRECT`` read racing the first hash are not detected: a
+process that does such things sets ``PROMPTSTORE_WRITE_WATCH=0``, and every fingerprint
+hashes again.
 """
 
 from __future__ import annotations
@@ -70,6 +81,9 @@ _UFFD_USER_MODE_ONLY = 1  # lets an unprivileged process open one; the kernel st
 _INVERTED = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT
 _ANY_BAD = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_FILE
 _MAPPED_KINDS = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_FILE
+# Files through which a device (or the kernel, asynchronously) may write this process's memory by DMA.
+_DMA_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel/", "/dev/infiniband/", "/dev/vfio/",
+              "/dev/iommu", "anon_inode:[io_uring]", "anon_inode:[vfio-device]")
 
 
 class Protected(NamedTuple):
@@ -141,11 +155,29 @@ class WriteWatch:
         # protection is not remembered if a newer one found and protected again a write to its pages.
         self._recent: list[tuple[int, int, int]] = []
         self._forgotten = 0  # the newest serial whose writes may have been dropped from that list
+        self._closed = False
+
+    def close(self, locked: bool = True) -> None:
+        """Stop proving: forget every digest and close the files (the kernel unregisters the ranges)."""
+        if locked:
+            with self._lock:
+                self.close(locked=False)
+            return
+        if not self._closed:
+            self._closed = True
+            self._known.clear()
+            for fd in (self._uffd, self._pagemap, self._maps):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def recall(self, ranges: list[tuple[int, int]]) -> list[bytes | None]:
         """Per ``(address, nbytes)``: its remembered digest where the kernel shows no page written since, else None."""
         out: list[bytes | None] = [None] * len(ranges)
         with self._lock:
+            if self._closed:
+                return out
             asked = sorted((i for i, r in enumerate(ranges) if r in self._known), key=lambda i: self._known[ranges[i]].lo)
             spans: list[tuple[int, int, list[int]]] = []
             for i in asked:
@@ -155,12 +187,19 @@ class WriteWatch:
                 else:
                     spans.append((lo, hi, [i]))
             for lo, hi, members in spans:
-                bad = self._bad(lo, hi, 2 * len(members) + 16)
+                # The scan walks mapped memory only: a hole, or a mapping it skips (VM_PFNMAP), reports nothing.
+                mapped = self._private_anonymous(lo, hi)
+                bad = self._bad(lo, hi, 2 * len(members) + 16) if mapped else None
                 for i in members:
                     found = self._known.get(ranges[i])
                     if found is None:
                         continue  # the same range asked twice, found written the first time
-                    mine = bad if bad is not None else self._bad(found.lo, found.hi, 8)  # too many regions: alone
+                    if bad is not None:
+                        mine = bad
+                    elif mapped or self._private_anonymous(found.lo, found.hi):
+                        mine = self._bad(found.lo, found.hi, 8)  # too many regions in the span: alone
+                    else:
+                        mine = None
                     if mine is not None and found.valid_despite(mine, compare=True):
                         out[i] = found.digest
                     else:
@@ -198,23 +237,29 @@ class WriteWatch:
             return None
         rng = UffdioRange(start=lo, len=hi - lo)
         with self._lock:
+            if self._closed:
+                return None
             try:
                 fcntl.ioctl(self._uffd, UFFDIO_REGISTER, UffdioRegister(range=rng, mode=UFFDIO_REGISTER_MODE_WP))
             except OSError:
                 return None  # EBUSY (another userfaultfd's), EINVAL, ENOMEM (unmapped meanwhile)
             written = self._protect_written(lo, hi)
-            if written is None:
-                return None
             self._serial += 1
             # A remembered range sharing pages with this one (a neighbour's edge page, a view's whole) stays
             # valid where those pages were still protected: protecting them again changed nothing. Where
             # they had been written, it is no longer valid, and the kernel's record of that write is gone.
+            # A walk that failed part-way may have protected written pages it did not report: all are.
+            lost = written is None
+            if written is None:
+                written = [(lo, hi, PAGE_IS_WRITTEN)]
             for key in [k for k, known in self._known.items() if not known.valid_despite(written, compare=False)]:
                 del self._known[key]
             self._recent.extend((self._serial, start, end) for start, end, _ in written)
             if len(self._recent) > 4096:
                 self._forgotten = self._recent[-2049][0]
                 del self._recent[:-2048]
+            if lost:
+                return None
             end = address + nbytes
             head = tail = None
             if hi - lo > 2 * _PAGE:  # (a range of two pages or fewer is proven by its pages alone)
@@ -248,7 +293,7 @@ class WriteWatch:
     def remember(self, protected: Protected, digest: bytes) -> None:
         """Remember the digest of a range hashed after :meth:`protect`."""
         with self._lock:
-            if protected.serial < self._forgotten:
+            if self._closed or protected.serial < self._forgotten:
                 return  # writes that later protections found are no longer all listed
             for serial, lo, hi in self._recent:
                 if serial > protected.serial and lo < protected.hi and protected.lo < hi:
@@ -301,22 +346,63 @@ def _open() -> WriteWatch | None:
     return WriteWatch(fds[0], fds[1], fds[2])
 
 
+def _dma_possible() -> bool:
+    """Whether this process holds a file through which memory can be written by DMA (see the module's notes)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return True  # cannot tell
+    try:
+        for name in os.listdir(fd):
+            try:
+                if os.readlink(name, dir_fd=fd).startswith(_DMA_FILES):
+                    return True
+            except OSError:
+                continue  # closed since the listing (the listing's own descriptor among them)
+    finally:
+        os.close(fd)
+    return False
+
+
 def write_watch() -> WriteWatch | None:
     """This process's :class:`WriteWatch`, or None where nothing can be proven this way.
 
     None on kernels or platforms without asynchronous write protection (Linux 6.7) and
-    ``PROCMAP_QUERY`` (6.11), and once a CUDA context exists: a device writing host memory by
-    DMA does not go through the page tables.
+    ``PROCMAP_QUERY`` (6.11), where ``$PROMPTSTORE_WRITE_WATCH`` is ``0``, and for the rest of
+    the process once it could write memory by DMA (a CUDA context, a device or io_uring
+    file open): such writes do not go through the page tables.
     """
     global _watch
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return None
     pid = os.getpid()
+    if os.environ.get("PROMPTSTORE_WRITE_WATCH", "").strip().lower() in ("0", "off", "false", "no"):
+        return None
     current = _watch
+    if current is not None and current[0] == pid and current[1] is None:
+        return None
+    if _dma_possible():
+        with _watch_lock:
+            if _watch is not None and _watch[0] == pid and _watch[1] is not None:
+                _watch[1].close()
+            _watch = (pid, None)
+        return None
     if current is not None and current[0] == pid:
         return current[1]
     with _watch_lock:
         if _watch is None or _watch[0] != pid:
             _watch = (pid, _open())
         return _watch[1]
+
+
+def _after_fork_in_child() -> None:
+    """A child starts without the parent's watch: its files closed, its lock new (it may have been held)."""
+    global _watch, _watch_lock
+    inherited, _watch, _watch_lock = _watch, None, threading.Lock()
+    if inherited is not None and inherited[1] is not None:
+        inherited[1].close(locked=False)  # the only thread now: the parent's may have held the lock
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

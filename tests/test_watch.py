@@ -7,7 +7,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import promptstore._digest as digest_module
+import promptstore._watch as watch_module
 from promptstore import digest_tensors
-from promptstore._watch import write_watch
+from promptstore._watch import WriteWatch, write_watch
 
 pytestmark = pytest.mark.skipif(write_watch() is None, reason="no asynchronous write protection on this kernel")
 
@@ -49,8 +54,6 @@ def fresh(*tensors: torch.Tensor) -> str:
 
 def plain(*tensors: torch.Tensor) -> str:
     """The digest with no write watch: every byte hashed in place, in one pass."""
-    import promptstore._watch as watch_module
-
     saved = watch_module.write_watch
     digest_module._watch.write_watch = lambda: None
     try:
@@ -274,3 +277,115 @@ def test_random_writes_and_digests_agree_with_hashing(steps):
         if check:
             assert digest(*ws) == fresh(*ws)
     assert digest(*ws) == fresh(*ws)
+
+
+def test_a_protection_that_fails_part_way_forgets_what_it_may_have_reset(monkeypatch):
+    """A walk that fails after protecting some pages again may have erased the kernel's record of a write
+    to a remembered range: that range is forgotten, and the failed one is not remembered."""
+    w = torch.randn(2048, 1024)
+    before = digest(w)
+    w[10, 10] = 5.0
+    real = WriteWatch._protect_written
+    monkeypatch.setattr(WriteWatch, "_protect_written", lambda self, lo, hi: (real(self, lo, hi), None)[1])
+    view = w[:512]  # (2 MB: watched) its walk protects the written page again, then fails
+    assert digest(view) == plain(view)
+    monkeypatch.undo()
+    assert digest(w) == plain(w) != before
+
+
+def test_a_hole_in_a_remembered_range_is_not_trusted():
+    """The kernel's scan reports nothing for unmapped addresses: the proof needs the whole range mapped."""
+    watch = write_watch()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    n = 4 << 20
+    address = libc.mmap(None, n, 3, 0x22, -1, 0)  # private anonymous, read-write
+    try:
+        ctypes.memset(address, 1, n)
+        protected = watch.protect(address, n)
+        watch.remember(protected, b"digest")
+        assert watch.recall([(address, n)]) == [b"digest"]
+        assert libc.munmap(address + n // 2, PAGE) == 0
+        assert watch.recall([(address, n)]) == [None]
+    finally:
+        libc.munmap(address, n)
+
+
+def test_the_watch_can_be_turned_off_and_writes_meanwhile_are_seen(monkeypatch, hashed):
+    w = torch.randn(2048, 1024)
+    before = digest(w)
+    monkeypatch.setenv("PROMPTSTORE_WRITE_WATCH", "0")
+    assert write_watch() is None
+    hashed.clear()
+    assert digest(w) == before
+    assert hashed == [w.nbytes]  # hashed again: nothing recalled
+    w[3, 3] = 2.0
+    monkeypatch.delenv("PROMPTSTORE_WRITE_WATCH")
+    assert write_watch() is not None
+    assert digest(w) == plain(w) != before
+
+
+_PINNED = """
+import os, sys
+import torch
+import uring
+import promptstore._watch as watch_module
+from promptstore import digest_tensors
+
+try:
+    ring = uring.ring()
+except OSError as e:
+    print("no io_uring:", e)
+    sys.exit(0)
+page = os.sysconf("SC_PAGE_SIZE")
+w = torch.randn(1024, 1024)
+ring.register(w.data_ptr(), w.nbytes)  # pinned before the first digest, as a server pins its buffers at start
+before = digest_tensors("w", [("w", w)])
+print("watch", watch_module.write_watch() is not None)
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x55" * page)
+fd = os.open(sys.argv[1], os.O_RDONLY)
+at = -(-w.data_ptr() // page) * page + 10 * page
+ring.read_fixed(fd, at, page)  # the kernel writes the page without this process's page tables
+assert w.view(-1).view(torch.uint8)[at - w.data_ptr()].item() == 0x55
+after = digest_tensors("w", [("w", w)])
+print("changed", after != before, after == digest_tensors("w", [("w", w.clone())]))
+ring.close()
+print("watch after close", watch_module.write_watch() is not None)
+"""
+
+
+def test_memory_the_kernel_writes_by_dma_turns_the_watch_off(tmp_path):
+    """io_uring's fixed buffers, like a device's pinned memory, are written through the physical page and
+    read as unwritten: while such a file is open the watch is off (for good: what it knew may be stale)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    run = subprocess.run([sys.executable, "-c", _PINNED, str(tmp_path / "page")], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    if run.stdout.startswith("no io_uring"):
+        pytest.skip(run.stdout.strip())
+    assert run.stdout.split("\n")[:3] == ["watch False", "changed True True", "watch after close False"]
+
+
+def test_a_child_forked_while_the_watch_is_busy_starts_its_own():
+    """A fork while another thread holds the watch's lock: the child does not wait on that lock forever,
+    and it does not use its parent's userfaultfd."""
+    parent = write_watch()
+    with watch_module._watch_lock, parent._lock:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                torch.set_num_threads(1)
+                child = write_watch()
+                os._exit(0 if child is not None and child is not parent else 1)
+            finally:
+                os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
