@@ -194,12 +194,9 @@ class WriteWatch:
                     found = self._known.get(ranges[i])
                     if found is None:
                         continue  # the same range asked twice, found written the first time
-                    if bad is not None:
-                        mine = bad
-                    elif mapped or self._private_anonymous(found.lo, found.hi):
+                    mine: list[tuple[int, int, int]] | None = bad
+                    if mine is None and (mapped or self._private_anonymous(found.lo, found.hi)):
                         mine = self._bad(found.lo, found.hi, 8)  # too many regions in the span: alone
-                    else:
-                        mine = None
                     if mine is not None and found.valid_despite(mine, compare=True):
                         out[i] = found.digest
                     else:
