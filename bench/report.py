@@ -67,7 +67,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
                          "vision_pipelines_2026-12-04b.json", "vision_pipelines_2026-12-05.json",
                          "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json",
                          "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json",
-                         "vision_pipelines_2026-12-06.json"),
+                         "vision_pipelines_2026-12-06.json", "vision_pipelines_2026-12-06b.json",
+                         "vision_pipelines_2026-12-06c.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -106,6 +107,13 @@ STATED: dict[str, dict[str, str]] = {
     "vision_pipelines_2026-12-06.json": {"note": "CLIP, SigLIP and OmDet-Turbo again (--processes 3), on the same "
                                                  "machine type, after the page proof moved to PAGEMAP_SCAN and the "
                                                  "review fixes of 2026-12-05 (a detached view per tensor)."},
+    "vision_pipelines_2026-12-06b.json": {"note": "SAM 3 alone (--processes 3), on the same machine type, with the "
+                                                  "write watch: its weights (the process's own memory) are proven "
+                                                  "unwritten by the kernel instead of hashed on every call."},
+    "vision_pipelines_2026-12-06c.json": {"note": "CLIP and SigLIP with --built weights (made in each process, "
+                                                  "anonymous memory) and the write watch, right after the 2026-12-06b "
+                                                  "run; the headline keeps each case's newest from_pretrained row. The "
+                                                  "uncommitted change was the 2026-12-06b results file."},
     "llamacpp_never_slower_2026-12-05.json": {"note": "LlamaCppCache stores the context's state without "
                                                       "llama-cpp-python's save_state() from this run on; the same machine "
                                                       "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "
@@ -1141,7 +1149,14 @@ def pipelines_section() -> tuple[Lines, Headline]:
                          sec(r["plain_steady_s"]), sec(r["served_steady_s"]), f"{r['steady_speedup']:.2f}x", text,
                          r.get("weights", "built"), "yes" if r["same_output"] else "no",
                          name.removeprefix("vision_pipelines_").removesuffix(".json")])
-    newest = {r["case"]: r for name in names for r in load(name)["rows"]}  # each case's row from its newest run
+    # Each case's row from its newest run, with the weights loaded as users load them where a run did so
+    # (a later `--built` run measures another thing: weights made in the process).
+    newest: dict[str, dict] = {}
+    for name in names:
+        for r in load(name)["rows"]:
+            kept = newest.get(r["case"])
+            if kept is None or r.get("weights", "built") != "built" or kept.get("weights", "built") == "built":
+                newest[r["case"]] = r
     last = list(newest.values())
     firsts = [f"{r['case'].split(',')[0]} {r['first_speedup']:.2f}x" for r in last]
     tens = [r for r in last if "10 " in r["case"]]
@@ -1156,10 +1171,11 @@ def pipelines_section() -> tuple[Lines, Headline]:
              f"of {' / '.join(str(r) for r in repeats)} more. **served: text side**: wall time inside promptstore's "
              "text side during the served call (the live text tower's fingerprint, the store's reads, the rows "
              "assembled; first call / steady), whose floor is zero; measured from the 2026-12-04b run on. **weights**: "
-             "`built` in each process (anonymous memory: every call hashes the text tower's bytes), or "
+             "`built` in each process (anonymous memory: every call hashed the text tower's bytes until the 2026-12-06b "
+             "run; from it on, the write watch proves them unwritten), or "
              "`from_pretrained` from saved files as a user loads a checkpoint (the bytes stay the file's pages, "
              "which the kernel proves unwritten: no hashing), from the 2026-12-05b run on; SAM 3 is always built "
-             "(ultralytics copies its checkpoint into the model). Runs with `--processes 3` (2026-12-05e, 2026-12-06) take "
+             "(ultralytics copies its checkpoint into the model). Runs with `--processes 3` (2026-12-05e on) take "
              "medians over three fresh processes per mode. The last column names the run (the results "
              "files above).",
              "", *table(["pipeline", "set-up", "plain: first call", "served: first call", "speed-up", "plain: steady",
