@@ -389,3 +389,15 @@ def test_a_child_forked_while_the_watch_is_busy_starts_its_own():
         os.kill(pid, 9)
         os.waitpid(pid, 0)
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_process_holding_more_files_than_are_checked_hashes():
+    """Too many files to check on every fingerprint: the watch is off, and stays off."""
+    script = ("import os; import promptstore._watch as w\n"
+              "on = w.write_watch() is not None\n"
+              "fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(w._MAX_FILES_CHECKED + 1)]\n"
+              "many = w.write_watch() is not None\n"
+              "[os.close(fd) for fd in fds]\n"
+              "print(on, many, w.write_watch() is not None)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["True", "False", "False"], run.stderr
