@@ -27,10 +27,10 @@ DMA into the physical page, and the page still reads as unwritten. So the watch 
 good in a process once it holds a file that can do that (``/dev/nvidia*``, ``/dev/kfd``,
 ``/dev/dri/*``, ``/dev/accel/*``, ``/dev/infiniband/*``, ``/dev/vfio/*``, ``/dev/iommu``, an
 io_uring) or once torch has a CUDA context: checked at every fingerprint, before anything is
-recalled (a process holding more than 512 files is not checked, and the watch is off in it). A device opened, used to write the weights and closed between two fingerprints,
-an AF_XDP socket's memory, or an ``O_DIRECT`` read racing the first hash are not detected: a
-process that does such things sets ``PROMPTSTORE_WRITE_WATCH=0``, and every fingerprint
-hashes again.
+recalled (a process holding more than 512 files is not checked, and the watch is off in it).
+A device opened, used to write the weights and closed between two fingerprints, an AF_XDP
+socket's memory, or an ``O_DIRECT`` read racing the first hash are not detected: a process
+that does such things sets ``PROMPTSTORE_WRITE_WATCH=0``, and every fingerprint hashes again.
 """
 
 from __future__ import annotations
