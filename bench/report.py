@@ -68,7 +68,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
                          "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json",
                          "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json",
                          "vision_pipelines_2026-12-06.json", "vision_pipelines_2026-12-06b.json",
-                         "vision_pipelines_2026-12-06c.json"),
+                         "vision_pipelines_2026-12-06c.json", "vision_pipelines_2026-12-06d.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -114,6 +114,11 @@ STATED: dict[str, dict[str, str]] = {
                                                   "anonymous memory) and the write watch, right after the 2026-12-06b "
                                                   "run; the headline keeps each case's newest from_pretrained row. The "
                                                   "uncommitted change was the 2026-12-06b results file."},
+    "vision_pipelines_2026-12-06d.json": {"note": "SAM 3 again after the write watch's review fixes (a recall asks the "
+                                                  "kernel for the range's mappings too; the process's files are checked "
+                                                  "for devices at every fingerprint). The plain calls ran faster than in "
+                                                  "the 2026-12-06b run (0.90 s against 2.25 s first): the machine, not the "
+                                                  "code, whose plain path is unchanged; compare within a run."},
     "llamacpp_never_slower_2026-12-05.json": {"note": "LlamaCppCache stores the context's state without "
                                                       "llama-cpp-python's save_state() from this run on; the same machine "
                                                       "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "
