@@ -212,13 +212,11 @@ class WriteWatch:
         vec = (PageRegion * regions)()
         arg = PmScanArg(size=ctypes.sizeof(PmScanArg), start=lo, end=hi, vec=ctypes.addressof(vec), vec_len=regions,
                         category_inverted=_INVERTED, category_anyof_mask=_ANY_BAD, return_mask=_ANY_BAD)
-        if regions == 1:
-            arg.max_pages = 1  # one bad page is enough to know
         try:
             found = fcntl.ioctl(self._pagemap, PAGEMAP_SCAN, arg)
         except OSError:
             return None
-        if arg.walk_end != hi and not (regions == 1 and found == 1):
+        if arg.walk_end != hi:
             return None  # the walk stopped with the vector full: there may be more
         return [(r.start, r.end, r.categories) for r in vec[:found]]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -33,8 +34,10 @@ os.environ["TMPDIR"] = _TMP
 os.environ.setdefault("PROMPTSTORE_DIGESTS", str(Path(tempfile.mkdtemp(prefix="ps-digests-")) / "digests.sqlite3"))
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the run's temporary folder (only in the process that made it: mutation runs fork)."""
+@atexit.register
+def _remove_tmp() -> None:
+    """Remove the run's temporary folder as the process that made it exits (``make mutation`` runs many
+    sessions in one process, and forks: the folder lives as long as that process)."""
     if os.getpid() == _TMP_OWNER:
         shutil.rmtree(_TMP, ignore_errors=True)
 

@@ -401,3 +401,88 @@ def test_a_process_holding_more_files_than_are_checked_hashes():
               "print(on, many, w.write_watch() is not None)\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.stdout.split() == ["True", "False", "False"], run.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", "no", " OFF "])
+def test_every_spelling_of_off_turns_the_watch_off(monkeypatch, value):
+    monkeypatch.setenv("PROMPTSTORE_WRITE_WATCH", value)
+    assert write_watch() is None
+
+
+def test_device_files_are_found_in_the_process_files():
+    """What turns the watch off, asked directly (asking write_watch would turn it off for the whole suite)."""
+    from uring import ring
+
+    assert not watch_module._dma_possible()
+    try:
+        r = ring()
+    except OSError as e:
+        pytest.skip(f"no io_uring: {e}")
+    try:
+        assert watch_module._dma_possible()
+    finally:
+        r.close()
+    assert not watch_module._dma_possible()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(watch_module._MAX_FILES_CHECKED + 1)]
+    try:
+        assert watch_module._dma_possible()  # too many to check: as if one were a device's
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _page_aligned(n: int):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    address = libc.mmap(None, n, 3, 0x22, -1, 0)
+    return address, torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.float32), libc
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_page_aligned_range_sees_writes_to_its_edge_pages(where):
+    """A range that starts and ends on page boundaries keeps no edge bytes: a write to its first or last page
+    is a write to a page it fills alone."""
+    n = 4 << 20
+    address, t, libc = _page_aligned(n)
+    try:
+        t.normal_()
+        before = digest(t)
+        assert digest(t) == before
+        t[0 if where == "first" else -1] = 12345.0
+        assert digest(t) == plain(t) != before
+    finally:
+        del t
+        libc.munmap(address, n)
+
+
+def test_a_span_with_many_written_regions_still_recalls_its_clean_members(hashed):
+    """Two ranges close enough to be scanned together; one written in many separate places, more than the
+    scan's vector holds: each is then scanned alone, and the clean one is still recalled."""
+    block = torch.randn(2 * 1024 * 1024 + 2 * 1024 * 1024)
+    a, b = block[:2 * 1024 * 1024], block[2 * 1024 * 1024:]
+    first = digest(a, b)
+    b.view(-1, PAGE // 4)[::2, 0] += 1.0  # every other page of b: hundreds of separate regions
+    hashed.clear()
+    after = digest(a, b)
+    assert hashed == [b.nbytes]  # a recalled
+    assert after == plain(a, b) != first
+
+
+def test_a_protection_after_many_writes_is_still_remembered():
+    """Past the record of recent writes (4,096 regions) the oldest are dropped: protections older than what
+    was dropped are not remembered, newer ones are."""
+    watch = write_watch()
+    old = torch.randn(1024, 1024)
+    stale = watch.protect(old.data_ptr(), old.nbytes)
+    flood = torch.randn(4096, 1024)  # 4,096 pages
+    for _ in range(10):
+        digest(flood)
+        flood.view(-1, PAGE // 4)[::2, 0] += 1.0  # 2,048 separate written regions, found by the next protection
+    digest(flood)
+    watch.remember(stale, b"old")
+    assert watch.recall([(old.data_ptr(), old.nbytes)]) == [None]
+    w = torch.randn(1024, 1024)
+    assert digest(w) == plain(w)
+    assert watch.recall([(w.data_ptr(), w.nbytes)]) != [None]

@@ -121,6 +121,13 @@ GROUPS = [
                    "promptstore/_codec.py": ("parse_header", "check_digest", "make_entry", "decode")},
           ("tests/test_keys.py", "tests/test_digest.py", "tests/test_codec.py", "tests/test_weight_edits.py"),
           sample=4),
+    # The write watch: when a remembered digest of anonymous memory is served instead of hashing it again.
+    # (Its tests that run in a child process import the unmutated package: left out.)
+    Group("watch", {"promptstore/_watch.py": (
+              "_Known.valid_despite", "WriteWatch.recall", "WriteWatch._bad", "WriteWatch.protect",
+              "WriteWatch._protect_written", "WriteWatch.remember", "WriteWatch._private_anonymous", "write_watch",
+              "_dma_possible", "_after_fork_in_child")},
+          ("tests/test_watch.py",), select="not kernel_writes_by_dma and not more_files_than", sample=4),
     # The disk tier's read paths: what a get serves, or drops as corrupt.
     Group("disk", {"promptstore/_tiers/disk.py": (
               "check_folder", "_read_into", "_pread_all", "_runs", "_other_version", "DiskTier._read", "DiskTier.get",
