@@ -28,7 +28,9 @@ good in a process once it holds a file that can do that (``/dev/nvidia*``, ``/de
 ``/dev/dri/*``, ``/dev/accel/*``, ``/dev/infiniband/*``, ``/dev/vfio/*``, ``/dev/iommu``, an
 io_uring) or once torch has a CUDA context: checked at every fingerprint, before anything is
 recalled (a process holding more than 512 files is not checked, and the watch is off in it).
-A device opened, used to write the weights and closed between two fingerprints, an AF_XDP
+It is also off once the kernel counts memory of the process as pinned for DMA (``VmPin``), which
+finds an io_uring whose file was closed after its registration or lives in a thread's own file
+table. A device opened, used to write the weights and closed between two fingerprints, an AF_XDP
 socket's memory, or an ``O_DIRECT`` read racing the first hash are not detected: a process
 that does such things sets ``PROMPTSTORE_WRITE_WATCH=0``, and every fingerprint hashes again.
 """
@@ -84,7 +86,8 @@ _MAPPED_KINDS = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_FILE
 _MAX_FILES_CHECKED = 512  # each costs a readlink on every fingerprint (about 2 us)
 # Files through which a device (or the kernel, asynchronously) may write this process's memory by DMA.
 _DMA_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel/", "/dev/infiniband/", "/dev/vfio/",
-              "/dev/iommu", "anon_inode:[io_uring]", "anon_inode:[vfio-device]")
+              "/dev/iommu", "/dev/vhost-vdpa", "/dev/davinci", "/dev/neuron", "/dev/hl", "anon_inode:[io_uring]",
+              "anon_inode:[vfio-device]")
 
 
 class Protected(NamedTuple):
@@ -229,11 +232,9 @@ class WriteWatch:
         if nbytes <= 0 or fcntl is None:
             return None
         lo, hi = address // _PAGE * _PAGE, -(-(address + nbytes) // _PAGE) * _PAGE
-        if not self._private_anonymous(lo, hi):
-            return None
         rng = UffdioRange(start=lo, len=hi - lo)
         with self._lock:
-            if self._closed:
+            if self._closed or not self._private_anonymous(lo, hi):
                 return None
             try:
                 fcntl.ioctl(self._uffd, UFFDIO_REGISTER, UffdioRegister(range=rng, mode=UFFDIO_REGISTER_MODE_WP))
@@ -342,17 +343,38 @@ def _open() -> WriteWatch | None:
     return WriteWatch(fds[0], fds[1], fds[2])
 
 
+def _pinned() -> bool:
+    """Whether the kernel counts memory of this process pinned for DMA (``VmPin``: io_uring's fixed buffers,
+    RDMA and iommufd registrations; ``mlock`` is not counted), whatever holds it: a ring registered and its
+    file closed, or a thread's own file table, shows no file in ``/proc/self/fd``."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmPin:"):
+                    return int(line.split()[1]) != 0
+    except (OSError, ValueError, IndexError):
+        return True  # cannot tell
+    return True  # no VmPin line: cannot tell
+
+
 def _dma_possible() -> bool:
-    """Whether this process holds a file through which memory can be written by DMA (see the module's notes)."""
+    """Whether this process holds a file through which memory can be written by DMA, or memory pinned for it
+    (see the module's notes)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    cuda = getattr(torch, "cuda", None) if torch is not None else None  # (torch may be half imported by a thread)
+    if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
+        return True
+    if _pinned():
         return True
     try:
         fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return True  # cannot tell
     try:
-        names = os.listdir(fd)
+        try:
+            names = os.listdir(fd)
+        except OSError:
+            return True  # cannot tell (out of file descriptors: the listing opens one)
         if len(names) > _MAX_FILES_CHECKED:
             return True  # cannot tell cheaply: hashing is the safe side
         for name in names:

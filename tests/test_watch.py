@@ -486,3 +486,31 @@ def test_a_protection_after_many_writes_is_still_remembered():
     w = torch.randn(1024, 1024)
     assert digest(w) == plain(w)
     assert watch.recall([(w.data_ptr(), w.nbytes)]) != [None]
+
+
+def test_memory_pinned_by_a_ring_without_a_file_turns_the_watch_off():
+    """A ring registered with itself and its file closed pins the weights with no file to show it: the
+    kernel's count of pinned memory does."""
+    script = ("import sys, torch, uring\n"
+              "import promptstore._watch as w\n"
+              "t = torch.randn(1024, 1024)\n"
+              "before = w._dma_possible()\n"
+              "try:\n"
+              "    uring.pin_without_a_file(t.data_ptr(), t.nbytes)\n"
+              "except OSError as e:\n"
+              "    print('no io_uring:', e); sys.exit(0)\n"
+              "print(before, w._dma_possible(), w.write_watch() is not None)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    if run.stdout.startswith("no io_uring"):
+        pytest.skip(run.stdout.strip())
+    assert run.stdout.split() == ["False", "True", "False"]
+
+
+def test_a_half_imported_torch_does_not_break_the_check(monkeypatch):
+    """Another thread importing torch: sys.modules holds a module without its ``cuda`` yet."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    assert watch_module._dma_possible() is False

@@ -94,3 +94,20 @@ class Ring:
 def ring() -> Ring:
     """A new io_uring (OSError where the kernel or a sandbox refuses one)."""
     return Ring()
+
+
+def pin_without_a_file(address: int, nbytes: int) -> None:
+    """Pin ``[address, address + nbytes)`` as a ring's fixed buffer, then register the ring's file with the
+    ring itself and close it (liburing's ``io_uring_register_ring_fd`` and ``io_uring_close_ring_fd``): the
+    pin stays, and no file of the process shows the ring. For a process that ends soon after."""
+    params = _Params()
+    fd = _call(_SETUP, 4, ctypes.byref(params))
+    iov = _Iovec(address, nbytes)
+    _call(_REGISTER, fd, _REGISTER_BUFFERS, ctypes.byref(iov), 1)
+
+    class _Update(ctypes.Structure):
+        _fields_ = [("offset", ctypes.c_uint32), ("resv", ctypes.c_uint32), ("data", ctypes.c_uint64)]
+
+    update = _Update(0xFFFFFFFF, 0, fd)  # any free slot
+    _call(_REGISTER, fd, 20, ctypes.byref(update), 1)  # IORING_REGISTER_RING_FDS
+    os.close(fd)
