@@ -27,6 +27,10 @@ from promptstore._watch import WriteWatch, write_watch
 pytestmark = pytest.mark.skipif(write_watch() is None, reason="no asynchronous write protection on this kernel")
 
 PAGE = mmap.PAGESIZE
+LIBC = ctypes.CDLL(None, use_errno=True)  # mmap and munmap, typed for addresses
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 @pytest.fixture
@@ -176,10 +180,7 @@ def test_neighbours_sharing_a_page_are_both_recalled(hashed):
 
 def test_memory_mapped_again_under_a_tensor_is_hashed():
     """The same addresses, new pages (a mapping replaced, as an allocator frees and maps again)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = LIBC
     n, rw, private_anonymous, fixed = 8 << 20, 3, 0x22, 0x10
     address = libc.mmap(None, n, rw, private_anonymous, -1, 0)
     try:
@@ -296,10 +297,7 @@ def test_a_protection_that_fails_part_way_forgets_what_it_may_have_reset(monkeyp
 def test_a_hole_in_a_remembered_range_is_not_trusted():
     """The kernel's scan reports nothing for unmapped addresses: the proof needs the whole range mapped."""
     watch = write_watch()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = LIBC
     n = 4 << 20
     address = libc.mmap(None, n, 3, 0x22, -1, 0)  # private anonymous, read-write
     try:
@@ -432,10 +430,7 @@ def test_device_files_are_found_in_the_process_files():
 
 
 def _page_aligned(n: int):
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc = LIBC
     address = libc.mmap(None, n, 3, 0x22, -1, 0)
     return address, torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.float32), libc
 
@@ -514,3 +509,39 @@ def test_a_half_imported_torch_does_not_break_the_check(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     assert watch_module._dma_possible() is False
+
+
+def test_another_process_writing_through_the_kernel_is_seen():
+    """process_vm_writev (a debugger's, or a profiler's, write) from another process into the weights."""
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    w = torch.randn(2048, 1024)
+    ready, go, answer = os.pipe(), os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, whose weights the parent writes
+        try:
+            torch.set_num_threads(1)
+            before = digest(w)
+            ok = digest(w) == before
+            os.write(ready[1], b"1")
+            os.read(go[0], 1)
+            after = digest(w)
+            os.write(answer[1], b"1" if ok and after != before and after == plain(w) else b"0")
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready[0], 1) == b"1"
+        data = ctypes.create_string_buffer(b"\x5a" * 64)
+        at = w.data_ptr() + 1000 * 4096 + 12
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.process_vm_writev.restype = ctypes.c_ssize_t
+        wrote = libc.process_vm_writev(pid, ctypes.byref(Iovec(ctypes.addressof(data), 64)), 1,
+                                       ctypes.byref(Iovec(at, 64)), 1, 0)
+        os.write(go[1], b"1")
+        if wrote != 64:
+            pytest.skip(f"process_vm_writev refused here (errno {ctypes.get_errno()})")
+        assert os.read(answer[0], 1) == b"1"
+    finally:
+        os.waitpid(pid, 0)
