@@ -25,13 +25,13 @@ are neither served nor stored, and neither are context-parallel engines.
 A block's entry holds its bytes for every layer as vLLM's page holds them (``vllm.kv``). The
 scheduler side finds the longest stored run of blocks past vLLM's own hit by index lookups
 (``key in store``), with no side effect; the worker side copies those blocks into the pages
-before the forward. Each newly computed full block is copied out of its page and written to the
-store by background threads, so storing does not hold up the step's tokens. No page is reused
-while a copy still reads it: vLLM keeps a finished request's pages until its copies end
-(``request_finished`` returns True, ``get_finished`` reports it), and when requests are preempted
-(their pages freed at once) every copy ends before that step's loads and forward, the only writers
-of pages (``handle_preemptions``). Writes queued when the engine
-shuts down are written before its store closes; a process killed first loses them (later misses).
+before the forward. Each newly computed full block is copied out of its page at the end of the step
+that computed it (a memory copy: its page is then free for vLLM to reuse at once, preempted or
+finished), and a background thread writes the copies to the store while the engine pauses between
+steps (no step for ``QUIET_S``), so that storing never competes with a request's forward on the
+CPU; a copy waits at most ``MAX_DEFER_S``, and less while more than ``MAX_DEFERRED_BYTES`` of
+copies wait (an engine that never pauses still stores). Writes queued when the engine shuts down
+are written before its store closes; a process killed first loses them (later misses).
 A block that cannot be read is reported to vLLM as a load error, so vLLM recomputes it: a fault is
 never a wrong token and never a failed request.
 
@@ -44,6 +44,7 @@ import os
 import platform
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
 __all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata"]
 
 KIND = "vllm.kv"
+QUIET_S = 0.05  # no step for this long: the engine is between requests, and writes run
+MAX_DEFER_S = 30.0  # a copied block is written at most this long after, pause or not
+MAX_DEFERRED_BYTES = 1 << 30  # copied blocks held for a pause, beyond which writes run anyway
 
 
 @dataclass
@@ -87,7 +91,6 @@ class PromptStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
-    flush: bool = False  # requests were preempted: their pages may be written in this step, so copy everything first
 
 
 @dataclass
@@ -101,7 +104,6 @@ class _Tracked:
     local: int = 0  # tokens vLLM's own prefix cache served
     external: int = 0  # tokens this connector serves
     loaded: bool = False
-    saving: bool = False  # blocks of it were queued to be copied out: vLLM keeps its pages until they are
 
 
 def _model_files(folder: str) -> list[str]:
@@ -158,13 +160,13 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._pages: list[tuple[str, Any]] = []  # worker side: (layer name, its page tensor), in model order
         self._block_axis = 0
         self._failed: set[int] = set()
-        self._copies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, page) to copy out
-        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, bytes) to write
-        self._threads: list[threading.Thread] = []
-        self._pending: dict[str, int] = {}  # per request: blocks queued for copying whose pages are still read
-        self._finishing: set[str] = set()  # finished requests whose blocks were queued, not yet reported
-        self._copied = threading.Condition()
-        self._seconds_per_token = 1e-4  # priced again from each step that stores blocks
+        self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, copied bytes, when) to write
+        self._writer: threading.Thread | None = None
+        self._seconds_per_token = 1e-4  # a block's recompute cost for eviction: an estimate, not measured
+        self._quiet = threading.Condition()  # the worker's steps: writes wait for a pause between them
+        self._stepping = False
+        self._step_ended = 0.0
+        self._deferred_bytes = 0  # copied blocks waiting for a pause to be written
 
     # -- keys -----------------------------------------------------------------------------------
     def _worker_shard(self) -> tuple[int, int]:
@@ -296,8 +298,6 @@ class PromptStoreConnector(KVConnectorBase_V1):
                     tracked.block_ids += list(more[0])
             self._plan_stores(meta, req_id, tracked, cached.num_computed_tokens[i]
                               + scheduler_output.num_scheduled_tokens.get(req_id, 0))
-        # A preempted request's pages are freed now, and may be written in this very step.
-        meta.flush = bool(getattr(scheduler_output, "preempted_req_ids", None))
         return meta
 
     def _plan_stores(self, meta: PromptStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -318,13 +318,11 @@ class PromptStoreConnector(KVConnectorBase_V1):
         tracked.stored = upto
         if keys:
             meta.stores.append(Transfer(req_id, keys, parents, pages))
-            tracked.saving = True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """True (vLLM keeps its pages until the worker reports it in ``get_finished``) while blocks of it may be
-        still being copied out."""
-        tracked = self._tracked.pop(request.request_id, None)
-        return (tracked is not None and tracked.saving), None
+        """False: vLLM may reuse the pages at once (every block was copied out within the step that computed it)."""
+        self._tracked.pop(request.request_id, None)
+        return False, None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -371,6 +369,35 @@ class PromptStoreConnector(KVConnectorBase_V1):
             page.copy_(host[i])
         return True
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        with self._quiet:
+            self._stepping = True
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        with self._quiet:
+            self._stepping = False
+            self._step_ended = time.monotonic()
+            self._quiet.notify_all()
+
+    def _wait_for_pause(self, since: float) -> None:
+        """Hold a write until the worker pauses between steps (no step for ``QUIET_S``), so that storing never
+        competes with a request's forward: at most ``MAX_DEFER_S`` after the block was copied, or less while
+        more than ``MAX_DEFERRED_BYTES`` wait (a server that never pauses still stores)."""
+        with self._quiet:
+            while True:
+                now = time.monotonic()
+                left = MAX_DEFER_S - (now - since)
+                if left <= 0 or self._deferred_bytes > MAX_DEFERRED_BYTES:
+                    return
+                if not self._stepping:
+                    quiet = QUIET_S - (now - self._step_ended)
+                    if quiet <= 0:
+                        return
+                    left = min(left, quiet)
+                self._quiet.wait(left)  # woken when a step ends
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before the first layer runs
 
@@ -378,66 +405,29 @@ class PromptStoreConnector(KVConnectorBase_V1):
         return  # blocks are copied out whole, every layer at once, when the step ends (wait_for_save)
 
     def wait_for_save(self) -> None:
-        """Queue the step's completed blocks: background threads copy them out of the pages and write them."""
+        """Copy the step's completed blocks out of their pages (within the step: the pages are free to reuse as
+        soon as it ends) and queue them for the writer, which writes them between steps."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
-        blocks = [(transfer.request_id, self._sharded(key, self._shard),
-                   None if parent is None else self._sharded(parent, self._shard), block_id)
-                  for transfer in meta.stores
-                  for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True)]
-        if not blocks:
-            return
-        if not self._threads:
-            self._threads = [threading.Thread(target=self._copy_out, name="promptstore-vllm-copy", daemon=True),
-                             threading.Thread(target=self._drain, name="promptstore-vllm-writer", daemon=True)]
-            for thread in self._threads:
-                thread.start()
-        with self._copied:
-            for req_id, *_ in blocks:
-                self._pending[req_id] = self._pending.get(req_id, 0) + 1
-        for block in blocks:
-            self._copies.put(block)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before a step's loads and forward (the only writers of pages): where requests were preempted, their
-        pages were freed without waiting for ``get_finished``, so every queued copy ends first."""
-        if isinstance(kv_connector_metadata, PromptStoreConnectorMetadata) and kv_connector_metadata.flush:
-            with self._copied:
-                self._copied.wait_for(lambda: not any(self._pending.values()))
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose blocks are all copied out: vLLM may reuse their pages now."""
-        with self._copied:
-            self._finishing |= {r for r in finished_req_ids if r in self._pending}
-            done = {r for r in self._finishing if not self._pending[r]}
-            self._finishing -= done
-            for req_id in done:
-                del self._pending[req_id]
-        return (done or None), None
-
-    def _copy_out(self) -> None:
-        background_priority()  # the engine's own forward comes first
-        while True:
-            item = self._copies.get()
-            if item is None:
-                self._writes.put(None)
-                return
-            req_id, key, parent, block_id = item
-            try:
-                data = torch.stack([self._block(t, block_id) for _, t in self._pages])
-                if data.device.type != "cpu":
-                    data = data.to("cpu")
-            except Exception:  # noqa: BLE001 - a block not copied is not stored: a future miss
-                data = None
-            finally:
-                with self._copied:
-                    self._pending[req_id] -= 1
-                    self._copied.notify_all()
-            if data is not None:
+        for transfer in meta.stores:
+            for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True):
+                try:
+                    data = torch.stack([self._block(t, block_id) for _, t in self._pages])
+                    if data.device.type != "cpu":
+                        data = data.to("cpu")
+                except Exception:  # noqa: BLE001 - a block not copied is not stored: a future miss
+                    continue
                 array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
-                self._writes.put((key, parent, (array, "BF16") if data.dtype == torch.bfloat16 else array))
+                with self._quiet:
+                    self._deferred_bytes += array.nbytes
+                self._writes.put((self._sharded(key, self._shard),
+                                  None if parent is None else self._sharded(parent, self._shard),
+                                  (array, "BF16") if data.dtype == torch.bfloat16 else array, time.monotonic()))
+        if self._writer is None and meta.stores:
+            self._writer = threading.Thread(target=self._drain, name="promptstore-vllm-writer", daemon=True)
+            self._writer.start()
 
     def _drain(self) -> None:
         background_priority()
@@ -445,7 +435,10 @@ class PromptStoreConnector(KVConnectorBase_V1):
             item = self._writes.get()
             if item is None:
                 return
-            key, parent, data = item
+            key, parent, data, copied = item
+            self._wait_for_pause(copied)
+            with self._quiet:
+                self._deferred_bytes -= data[0].nbytes if isinstance(data, tuple) else data.nbytes
             try:
                 self.store.put(key, {"kv": data}, kind=KIND, parent=parent,
                                cost_s=self._seconds_per_token * self.block_size, meta={"tokens": str(self.block_size)})
@@ -457,12 +450,15 @@ class PromptStoreConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
-        """Copy and write what is queued, then close the store."""
-        if self._threads:
-            self._copies.put(None)  # the copier passes it on to the writer once every queued block is copied
-            for thread in self._threads:
-                thread.join(timeout=60)
-            self._threads = []
+        """Write what is queued, then close the store."""
+        if self._writer is not None:
+            with self._quiet:
+                self._stepping = False  # no step runs any more: nothing to wait for
+                self._step_ended = 0.0
+                self._quiet.notify_all()
+            self._writes.put(None)
+            self._writer.join(timeout=60)
+            self._writer = None
         self.store.close()
 
 
