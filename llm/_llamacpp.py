@@ -170,7 +170,10 @@ class LlamaCppCache(BaseLlamaCache):
                                               f"|{platform.machine()}|{platform.processor()}")
         perf = llama_cpp.llama_perf_context(llm._ctx.ctx)  # llama.cpp's prompt-eval counters when last read
         self._perf = (int(perf.n_p_eval), float(perf.t_p_eval_ms), float(perf.t_load_ms))
-        self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "stored": 0, "declined": 0}
+        # "queued": states read from the context for writing; "stored": those written (counted by the
+        # background writer once the state and its pointers are in the store, so after flush()).
+        self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "queued": 0, "stored": 0,
+                                      "declined": 0}
         self._behind = _Behind()
         self._buffers: dict[str, np.ndarray] = {}  # see _staging
         self._writing: np.ndarray | None = None  # the tokens of the state being written
@@ -401,7 +404,7 @@ class LlamaCppCache(BaseLlamaCache):
                 scores = copy
             tensors["scores"] = scores
         cost = n / self._prefill_rate()
-        self.stats["stored"] += 1
+        self.stats["queued"] += 1
         self._writing = tokens
         self._behind.submit(lambda: self._write(head_key, tokens, tensors, cost))
 
@@ -445,6 +448,7 @@ class LlamaCppCache(BaseLlamaCache):
                 self.store.put(key, pointer, kind=INDEX_KIND, cost_s=cost)
             if replaced is not None:
                 self.store.delete(replaced)  # its state goes with it (chained)
+            self.stats["stored"] += 1  # only this thread counts it
         except Exception as exc:  # noqa: BLE001 - a cache fault is a miss, never the caller's failure
             try:
                 self._warn("store", exc)

@@ -90,7 +90,9 @@ def test_greedy_completions_with_the_cache_equal_those_without_it(tmp_path, refe
     llm.set_cache(cache)
     doc_tokens = len(tokens(DOC))
     assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
-    assert cache.stats["hits"] == 0 and cache.stats["stored"] == 1
+    assert cache.stats["hits"] == 0 and cache.stats["queued"] == 1
+    cache.flush()
+    assert cache.stats["stored"] == 1
     for q in (QUESTIONS[0], QUESTIONS[1], QUESTIONS[2]):
         llm.reset()  # the context forgets: only the store can serve the document
         served = cache.stats["served"]
@@ -120,6 +122,7 @@ def test_a_fresh_process_reads_what_another_stored_and_a_hit_deletes_nothing(tmp
     code = SETUP + textwrap.dedent("""
         llm = make_llm(); cache = LlamaCppCache(llm, PromptStore(sys.argv[1])); llm.set_cache(cache)
         text = complete(llm, sys.argv[2])
+        cache.flush()
         print(json.dumps({"text": text, **cache.stats}))
         """)
     first = json.loads(run_python(code, folder, DOC + QUESTIONS[0]).stdout.splitlines()[-1])
@@ -147,7 +150,7 @@ def test_a_completion_stores_its_state_without_llama_save_state_and_a_fresh_llam
                                                                              stream=True))
     else:
         text = complete(llm, prompt)
-    assert text == reference(prompt) and cache.stats["stored"] == 1 and saves == []
+    assert text == reference(prompt) and cache.stats["queued"] == 1 and saves == []
     assert bool(cache) and cache  # true as any cache outside llama-cpp-python's save
     cache.flush()
     other = make_llm()
@@ -176,7 +179,8 @@ def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_wa
 
     store.put = held_put
     assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
-    assert writing.wait(60) and cache.stats["stored"] == 1
+    assert writing.wait(60) and cache.stats["queued"] == 1
+    assert cache.stats["stored"] == 0  # counted once written, not when queued
     assert store.ls(kind=KIND) == [] and store.ls(kind=INDEX_KIND) == []  # returned while its state waits
     waiter = threading.Thread(target=cache.flush)
     waiter.start()
@@ -185,6 +189,7 @@ def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_wa
     release.set()
     waiter.join(60)
     assert len(store.ls(kind=KIND)) == 1 and len(store.ls(kind=INDEX_KIND)) >= len(tokens(DOC)) // cache.block_tokens
+    assert cache.stats["stored"] == 1
     # A state still being written serves the next request that shares it (its lookup waits for the write).
     release.clear()
     longer = DOC + QUESTIONS[1] + " Notes: " + DOC[:400]  # blocks beyond those the first state serves
@@ -260,8 +265,9 @@ def test_a_state_saved_by_llama_save_state_is_stored_the_same_way(tmp_path, refe
     assert complete(llm, prompt) == reference(prompt)  # no cache set: computed only
     cache = LlamaCppCache(llm, PromptStore(tmp_path / "s"))
     cache[tokens(prompt)] = llm.save_state()
-    assert cache.stats["stored"] == 1
+    assert cache.stats["queued"] == 1
     cache.flush()
+    assert cache.stats["stored"] == 1
     other = make_llm()
     again = LlamaCppCache(other, PromptStore(tmp_path / "s"))
     other.set_cache(again)
@@ -366,8 +372,9 @@ def test_namespaces_keep_tenants_apart(tmp_path):
     cache_b = LlamaCppCache(llm, PromptStore(folder, namespace="b"))
     llm.set_cache(cache_b)
     complete(llm, DOC + QUESTIONS[1])
-    assert cache_b.stats["hits"] == 0 and cache_b.stats["stored"] == 1  # b stored its own
+    assert cache_b.stats["hits"] == 0 and cache_b.stats["queued"] == 1  # b stores its own
     cache_a.flush(), cache_b.flush()  # states are written after the completion returns
+    assert cache_b.stats["stored"] == 1
     mine_a, mine_b = ({i.key for i in PromptStore(folder, namespace=n).ls(kind=KIND)} for n in "ab")
     assert len(mine_a) == len(mine_b) == 1 and not mine_a & mine_b  # each sees only its own state
     assert cache_a.cache_size == sum(i.size for i in PromptStore(folder, namespace="a").ls(kind=KIND))
