@@ -192,6 +192,33 @@ def test_pages_reused_at_once_still_store_what_was_computed(model_dir, tmp_path)
         assert got["cached"] >= 12 * BLOCK
 
 
+def test_blocks_computed_over_a_block_that_failed_to_load_are_never_served(model_dir, tmp_path):
+    """A stored block that cannot be loaded (an entry of another shape under its key, which stays) is
+    recomputed by vLLM, but the step's forward first runs the prompt's new tokens over the page that did not
+    load. Nothing that step computed is stored: once the block is readable again, a longer prompt over the
+    same document, served from the store, is answered as vLLM alone answers it."""
+    import numpy as np
+
+    folder = tmp_path / "store"
+    longer = [prompt(q, DOC + "\n" + OTHER_DOC) for q in QUESTIONS]
+    first = engine(model_dir, [prompt(QUESTIONS[0])], {"path": str(folder)})
+    settle(str(folder))
+    with PromptStore(folder) as store:
+        infos = store.ls(kind="vllm.kv")
+        block0 = next(i for i in infos if i.parent is None)
+        block1 = next(i for i in infos if i.parent == block0.key)
+        kept = np.array(store.get(block1.key, kind="vllm.kv").tensors["kv"])
+        store.put(block1.key, {"kv": np.zeros((1, 4), np.float32)}, kind="vllm.kv", parent=block0.key)
+    failing, plain = engines_at_once(model_dir, [([longer[1]], {"path": str(folder)}), (longer, None)])
+    same_answer(failing[0], plain[1])  # recomputed by vLLM
+    settle(str(folder))
+    with PromptStore(folder) as store:
+        store.put(block1.key, {"kv": kept}, kind="vllm.kv", parent=block0.key)
+    served = engine(model_dir, [longer[0]], {"path": str(folder)})
+    assert served[0]["cached"] > full_blocks(first[0])  # the document's blocks and the stored ones after them
+    same_answer(served[0], plain[0])
+
+
 def test_another_host_through_redis_then_redis_killed_answers_every_request(model_dir, plain, stored, redis, tmp_path):
     # Its own empty folder: every block it is served comes from Redis. Then Redis dies mid-run.
     host = engine(model_dir, [prompt(QUESTIONS[0]), {**prompt(QUESTIONS[1]), "kill": redis.proc.pid},

@@ -30,8 +30,12 @@ that computed it (a memory copy: its page is then free for vLLM to reuse at once
 finished), and a background thread writes the copies to the store while the engine pauses between
 steps (no step for ``QUIET_S``), so that storing never competes with a request's forward on the
 CPU; a copy waits at most ``MAX_DEFER_S``, and less while more than ``MAX_DEFERRED_BYTES`` of
-copies wait (an engine that never pauses still stores). Writes queued when the engine shuts down
-are written before its store closes; a process killed first loses them (later misses).
+copies wait (an engine that never pauses still stores). Nothing a step computed for a request whose
+load failed in that step is stored (its tokens ran over pages that did not load; vLLM recomputes
+them, and they are stored then); on several ranks, where only the failing rank knows, the blocks a
+loading step computes are planned in the request's next step instead. Writes queued when the engine
+shuts down are written before its store closes, in the time vLLM gives its processes to exit (5 s by
+default); what is left then, or in a killed process, is lost (later misses, never partial entries).
 A block that cannot be read is reported to vLLM as a load error, so vLLM recomputes it: a fault is
 never a wrong token and never a failed request.
 
@@ -45,6 +49,7 @@ import platform
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,8 +76,10 @@ __all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata"]
 
 KIND = "vllm.kv"
 QUIET_S = 0.05  # no step for this long: the engine is between requests, and writes run
-MAX_DEFER_S = 30.0  # a copied block is written at most this long after, pause or not
-MAX_DEFERRED_BYTES = 1 << 30  # copied blocks held for a pause, beyond which writes run anyway
+MAX_DEFER_S = 10.0  # a copied block is written at most this long after, pause or not
+MAX_DEFERRED_BYTES = 1 << 30  # copied blocks held for a pause, beyond which writes run anyway (and, past
+# twice this, new blocks are not copied at all: later misses, never unbounded memory)
+RECENT_KEYS = 1 << 16  # blocks planned for storing that the scheduler remembers (not planned again)
 
 
 @dataclass
@@ -157,9 +164,11 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._engine = self._engine_fingerprints(vllm_config)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
+        self._recent: OrderedDict[bytes, None] = OrderedDict()  # blocks planned lately: maybe not written yet
         self._pages: list[tuple[str, Any]] = []  # worker side: (layer name, its page tensor), in model order
         self._block_axis = 0
         self._failed: set[int] = set()
+        self._load_failed: set[str] = set()  # requests a load of this step failed for: nothing of theirs stored
         self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, copied bytes, when) to write
         self._writer: threading.Thread | None = None
         self._seconds_per_token = 1e-4  # a block's recompute cost for eviction: an estimate, not measured
@@ -278,13 +287,18 @@ class PromptStoreConnector(KVConnectorBase_V1):
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
+            computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             if tracked.external and not tracked.loaded:
                 first, n = tracked.local // bs, tracked.external // bs
                 keys = tracked.keys[first : first + n]
                 meta.loads.append(Transfer(new.req_id, keys, [None] * len(keys), tracked.block_ids[first : first + n]))
                 tracked.loaded = True
-            self._plan_stores(meta, new.req_id, tracked, new.num_computed_tokens
-                              + scheduler_output.num_scheduled_tokens.get(new.req_id, 0))
+                if len(self._shards) > 1:
+                    # A block computed over a load that failed on one rank holds wrong KV on every rank,
+                    # and only the failing rank knows in this step: the blocks this step computes are
+                    # planned in the request's next step, after vLLM has recomputed what failed.
+                    computed = new.num_computed_tokens
+            self._plan_stores(meta, new.req_id, tracked, computed)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -307,17 +321,36 @@ class PromptStoreConnector(KVConnectorBase_V1):
             return
         keys, parents, pages = [], [], []
         for b in range(tracked.stored, upto):
+            if tracked.keys[b] in self._recent:
+                self._recent.move_to_end(tracked.keys[b])
+                continue  # planned lately (by another request too): its copy may still wait to be written
             try:
                 present = self._stored(tracked.keys[b])
             except Exception:  # noqa: BLE001 - a store that cannot answer: try to write, the tier warns
                 present = False
             if not present:
+                self._recent[tracked.keys[b]] = None
+                if len(self._recent) > RECENT_KEYS:
+                    self._recent.popitem(last=False)
                 keys.append(tracked.keys[b])
                 parents.append(tracked.keys[b - 1] if b else None)
                 pages.append(tracked.block_ids[b])
         tracked.stored = upto
         if keys:
             meta.stores.append(Transfer(req_id, keys, parents, pages))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Where a load failed, vLLM recomputes from the failed block: plan those blocks for storing again."""
+        super().update_connector_output(connector_output)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            failed = [b for b, page in enumerate(tracked.block_ids) if page in invalid]
+            if failed:
+                for key in tracked.keys[min(failed) : tracked.stored]:
+                    self._recent.pop(key, None)
+                tracked.stored = min(tracked.stored, min(failed))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """False: vLLM may reuse the pages at once (every block was copied out within the step that computed it)."""
@@ -344,12 +377,17 @@ class PromptStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
+        self._load_failed = set()
         for transfer in meta.loads:
             broken = False
             for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True):
                 if broken or not self._load_block(key, block_id):
                     broken = True  # this block and every later one of the request are recomputed by vLLM
                     self._failed.add(block_id)
+            if broken:
+                # This step's forward still runs its tokens over the pages that failed to load: what it
+                # computes for the request is wrong until vLLM recomputes it, and must not be stored.
+                self._load_failed.add(transfer.request_id)
 
     def _load_block(self, key: bytes, block_id: int) -> bool:
         try:
@@ -412,14 +450,19 @@ class PromptStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
         for transfer in meta.stores:
+            if transfer.request_id in self._load_failed:
+                continue
             for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True):
+                if self._deferred_bytes > 2 * MAX_DEFERRED_BYTES:
+                    break  # the writer is far behind: not stored (a later miss), memory stays bounded
                 try:
                     data = torch.stack([self._block(t, block_id) for _, t in self._pages])
                     if data.device.type != "cpu":
                         data = data.to("cpu")
+                    array = (data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16
+                             else data.numpy())
                 except Exception:  # noqa: BLE001 - a block not copied is not stored: a future miss
                     continue
-                array = data.view(torch.int16).numpy().view(np.uint16) if data.dtype == torch.bfloat16 else data.numpy()
                 with self._quiet:
                     self._deferred_bytes += array.nbytes
                 self._writes.put((self._sharded(key, self._shard),
