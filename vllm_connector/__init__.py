@@ -76,7 +76,8 @@ __all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata"]
 
 KIND = "vllm.kv"
 QUIET_S = 0.05  # no step for this long: the engine is between requests, and writes run
-MAX_DEFER_S = 10.0  # a copied block is written at most this long after, pause or not
+MAX_DEFER_S = 30.0  # a copied block is written at most this long after, pause or not: longer than one
+# 8,000-token float32 prefill on a 2-core CPU (16 s), so that a long request's blocks are not written during it
 MAX_DEFERRED_BYTES = 1 << 30  # copied blocks held for a pause, beyond which writes run anyway (and, past
 # twice this, new blocks are not copied at all: later misses, never unbounded memory)
 RECENT_KEYS = 1 << 16  # blocks planned for storing that the scheduler remembers (not planned again)
