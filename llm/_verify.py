@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from promptstore import KV_TOLERANCE, kv_tolerance
 from promptstore.errors import PromptStoreWarning
 
 __all__ = ["VERIFY_POSITIONS", "TOLERANCE", "Verdict", "check_positions", "confirm", "forget_refuted", "refute", "refuted",
@@ -30,12 +31,8 @@ __all__ = ["VERIFY_POSITIONS", "TOLERANCE", "Verdict", "check_positions", "confi
 # positions is seen too). Each is one more query token in a forward that reads every weight once.
 VERIFY_POSITIONS = 4
 
-# The largest relative L2 error (per layer, K or V, pooled over the checked positions) that an
-# unchanged model shows between a stored prefill and the check's recompute: the two run the same
-# arithmetic in other batch shapes, so they round differently. Measured in bench/verify_calibration.py
-# over SmolLM2 (2k tokens) and the zoo's architectures, sdpa and eager; the bound is a few times
-# the worst seen, and below the smallest edit measured there (see the README's Guarantees).
-TOLERANCE = {"F64": 1e-9, "F32": 5e-5, "F16": 2e-3, "BF16": 1e-2}
+# The bounds an unchanged model stays within (the core's, shared with the vLLM connector's check).
+TOLERANCE = KV_TOLERANCE
 
 
 class Verdict(NamedTuple):
@@ -47,9 +44,7 @@ class Verdict(NamedTuple):
     positions: int
 
 
-def tolerance(*dtypes: str) -> float:
-    """The bound for KV that was computed or stored in any of ``dtypes`` (the coarsest wins)."""
-    return max(TOLERANCE.get(d, TOLERANCE["BF16"]) for d in dtypes)
+tolerance = kv_tolerance  # the bound for KV computed or stored in any of the given dtypes
 
 
 def check_positions(n: int, k: int = VERIFY_POSITIONS) -> np.ndarray:

@@ -22,6 +22,7 @@ from ._entry import Entry, EntryInfo
 from ._keys import chain_keys, make_key
 from ._sizes import format_size, parse_size
 from ._store import PromptStore, default_path
+from ._tolerance import KV_TOLERANCE, kv_tolerance
 from ._writer import background_priority
 
 __version__ = "0.1.0"
@@ -40,6 +41,8 @@ __all__ = [
     "digest_memo_path",
     "derived_digest",
     "background_priority",
+    "KV_TOLERANCE",
+    "kv_tolerance",
     "errors",
     "__version__",
 ]
