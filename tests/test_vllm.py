@@ -2,7 +2,8 @@
 
 vLLM lives in a virtual environment of its own (it pins another torch): ``make test`` builds it once
 per machine and names its Python in ``PROMPTSTORE_VLLM_PYTHON``; each engine runs in a fresh process
-of that Python (tests/vllm_engine.py). Without it these tests skip, unless
+of that Python (tests/vllm_engine.py), with vLLM's engine core and worker inside it, or in processes of their
+own (vLLM's default) where a test asks for that layout. Without it these tests skip, unless
 ``PROMPTSTORE_REQUIRE_VLLM=1`` (as ``make test`` sets), when they fail.
 
 Greedy text equals vLLM's without the connector, and the first tokens' logprobs agree within float32
@@ -11,8 +12,10 @@ same document, a multi-turn chat); another host through a real Redis, which is t
 engines running at once on one folder and a Redis Cluster, each served the other's blocks, and a
 third host through the cluster; ``vllm serve`` restarted between two requests of an OpenAI client;
 LoRA adapters; a corrupt entry; requests with pictures (a small Idefics3: each picture's blocks are
-its own, the text before it is shared); tensor parallelism (three ranks, each its own shard; ``slow``).
-Another ``cache_salt``, adapter, picture, dtype, model or parallel layout never gets a hit.
+its own, the text before it is shared); tensor parallelism (three ranks, each its own shard; ``slow``); a
+request preempted and resumed (loaded again). Another ``cache_salt``, adapter, picture, dtype, model,
+configuration override or parallel layout never gets a hit; with keys blind to an override, the hit's
+own check refutes it (tests/vllm_blind.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ if not PYTHON or not Path(PYTHON).exists():
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 128  # the CPU backend's block size
+RECHECKED = 1  # served tokens a hit computes again (promptstore.vllm.RECHECKED; that module needs vLLM's venv)
 DOC = " ".join(f"Section {i}: forklifts are parked in bay C after each shift; pallets over 800 kg go to aisle 4; "
                "hazardous goods stay behind the fence near door 9." for i in range(40))
 OTHER_DOC = " ".join(f"Rule {i}: visitors sign in at the front desk, wear a yellow vest on the floor and leave "
@@ -90,7 +94,8 @@ def _results(proc: subprocess.CompletedProcess | subprocess.Popen, stdout: str, 
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": SITE[0]}
+    # tests/ too: vllm_blind's connector is imported by the engine's own processes
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SITE[0], str(Path(__file__).parent)])}
 
 
 def engine(model_dir: str, prompts: list[dict], connector: dict | None, **more) -> list[dict]:
@@ -100,12 +105,14 @@ def engine(model_dir: str, prompts: list[dict], connector: dict | None, **more) 
     return _results(proc, proc.stdout, proc.stderr)
 
 
-def engines_at_once(model_dir: str, runs: list[tuple], **more) -> list[list[dict]]:
+def engines_at_once(model_dir: str, runs: list[tuple], logs: list[str] | None = None, **more) -> list[list[dict]]:
     """Several engines running at the same time, each in its own process: ``(prompts, connector)`` or
-    ``(prompts, connector, {"model": ..., "dtype": ...})`` each."""
+    ``(prompts, connector, {"model": ..., "dtype": ...})`` each. ``logs`` gets each engine's stderr."""
     procs = [subprocess.Popen([PYTHON, str(ENGINE), _spec(model_dir, run[0], run[1], **{**more, **(run[2:] or [{}])[0]})],
                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()) for run in runs]
     outputs = [p.communicate(timeout=1200) for p in procs]
+    if logs is not None:
+        logs.extend(err for _, err in outputs)
     return [_results(p, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
@@ -115,8 +122,9 @@ def same_answer(got: dict, want: dict) -> None:
 
 
 def full_blocks(result: dict) -> int:
-    """Tokens a whole-prompt hit serves: every full block but the one holding the last token."""
-    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
+    """Tokens a whole-prompt hit serves: every full block but the one holding the last token, less the served
+    tokens vLLM computes again to check the hit."""
+    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK - RECHECKED
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +144,7 @@ def first_engines(model_dir, redis, tmp_path_factory) -> tuple[list[dict], Path,
     plain, cold = engines_at_once(model_dir, [
         (REFERENCE, None),
         ([prompt(QUESTIONS[0]), prompt(QUESTIONS[0], cache_salt="tenant-a"), {"chat": CHAT}],
-         {"path": str(folder), "redis_url": redis.url})])
+         {"path": str(folder), "redis_url": redis.url}, {"processes": True})])  # as vLLM runs by default
     return plain, folder, cold
 
 
@@ -157,13 +165,13 @@ def test_a_restarted_engine_starts_warm_and_answers_as_vllm_alone(model_dir, pla
     for got, want in zip(cold[2:], plain[TURNS], strict=True):
         same_answer(got, want)
     warm = engine(model_dir, [prompt(QUESTIONS[0], cache_salt="tenant-b"), prompt(QUESTIONS[0]), prompt(QUESTIONS[1]),
-                              {"chat": CHAT}], {"path": str(folder)})
+                              {"chat": CHAT}], {"path": str(folder)}, processes=True)
     assert warm[0]["cached"] == 0  # another tenant's salt: never tenant-a's nor the unsalted blocks
     same_answer(warm[0], plain[Q0])
     same_answer(warm[1], plain[Q0])
     assert warm[1]["cached"] == full_blocks(warm[1]) > 0
     same_answer(warm[2], plain[Q1])  # another question after the same document: its blocks
-    assert warm[2]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK
+    assert warm[2]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK - RECHECKED
     for got, want in zip(warm[3:], plain[TURNS], strict=True):  # every turn of the chat
         same_answer(got, want)
         assert got["cached"] >= BLOCK
@@ -189,7 +197,7 @@ def test_pages_reused_at_once_still_store_what_was_computed(model_dir, tmp_path)
                   num_gpu_blocks_override=40)
     for got, want in zip(warm, plain, strict=True):
         same_answer(got, want)
-        assert got["cached"] >= 12 * BLOCK
+        assert got["cached"] >= 12 * BLOCK - RECHECKED
 
 
 def test_blocks_computed_over_a_block_that_failed_to_load_are_never_served(model_dir, tmp_path):
@@ -279,6 +287,76 @@ def test_another_dtype_or_model_never_reads_these_blocks_and_a_corrupt_entry_is_
     assert bf16[0]["cached"] == 0
     assert other_model[0]["cached"] == 0
     same_answer(corrupt[0], plain[Q0])
+
+
+def test_a_setting_the_key_names_is_a_miss_and_one_it_does_not_is_refuted_by_the_hit(model_dir, plain, tmp_path):
+    """Another RoPE base through ``hf_overrides`` (the files unchanged): the key names the configuration as the
+    engine runs it, so a miss. With keys blind to it (tests/vllm_blind.py), the stored blocks are found, and
+    the token vLLM computes again over them disagrees with the stored block: vLLM recomputes the request, the
+    answer is vLLM's own, and the engine neither reads nor stores under that key again."""
+    override = {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}}
+    blind = {"connector_class": ["BlindConnector", "vllm_blind"]}
+    keyed, blinded = tmp_path / "keyed", tmp_path / "blind"
+    asked = [prompt(QUESTIONS[0]), prompt(QUESTIONS[1])]
+    reference, first_keyed, first_blind = engines_at_once(model_dir, [
+        (asked, None, override), (asked[:1], {"path": str(keyed)}), (asked[:1], {"path": str(blinded)}, blind)])
+    same_answer(first_keyed[0], plain[Q0])
+    same_answer(first_blind[0], plain[Q0])
+    assert reference[0]["text"] != plain[Q0]["text"]  # the override changes what the model answers
+    settle(str(keyed))
+    settle(str(blinded))
+    with PromptStore(blinded) as s:
+        stored_before = sorted(e.key for e in s.ls(kind="vllm.kv"))
+    logs: list[str] = []
+    other_keys, checked = engines_at_once(model_dir, [
+        (asked, {"path": str(keyed)}, override),
+        (asked, {"path": str(blinded)}, {**override, **blind, "processes": True})], logs=logs)  # refuted across processes
+    assert other_keys[0]["cached"] == 0  # its key names the override: never the stored blocks
+    for got, want in zip(other_keys + checked, reference + reference, strict=True):
+        same_answer(got, want)
+    assert "differs from what this engine computes" in logs[1]
+    assert "differs from what this engine computes" not in logs[0]
+    settle(str(blinded))
+    with PromptStore(blinded) as s:  # nothing stored under the refuted key (the blocks it recomputed, Q1's)
+        assert sorted(e.key for e in s.ls(kind="vllm.kv")) == stored_before
+
+
+def test_a_request_preempted_and_resumed_is_loaded_again(model_dir, tmp_path):
+    """Two prompts served from the store, run together in a pool that holds exactly their pages, with vLLM's
+    own prefix cache off: decoding needs one more page, so vLLM preempts one and resumes it after the other.
+    Resumed, it is looked up again and comes back among vLLM's cached requests, not its new ones: its blocks
+    are loaded again there, and both answer as vLLM alone answers them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    size = 17 * BLOCK - 6  # 17 pages each, the last full 6 tokens into the answer: then a page more is needed
+
+    def sized(d: int) -> str:
+        items = [f"Note {d}.{i}: crate {d * 7 + i} ships from dock {i % 5} on day {d + i}." for i in range(200)]
+        for n in range(len(items), 0, -1):  # the longest run of items under the size, then filler tokens
+            text = prompt(QUESTIONS[0], " ".join(items[:n]))["text"]
+            if len(tokenizer(text)["input_ids"]) <= size - 8:
+                break
+        for _ in range(64):
+            count = len(tokenizer(text)["input_ids"])
+            if count == size:
+                return text
+            text = text.replace("\nQuestion:", " ok\nQuestion:", 1)
+        raise AssertionError(f"could not size the prompt to {size} tokens")
+
+    texts = [sized(1), sized(2)]
+    folder = tmp_path / "store"
+    plain, first = engines_at_once(model_dir, [([{"text": t} for t in texts], None),
+                                               ([{"text": t} for t in texts], {"path": str(folder)})])
+    assert [r["prompt_tokens"] for r in plain] == [size, size]
+    for got, want in zip(first, plain, strict=True):
+        same_answer(got, want)
+    settle(str(folder))
+    together = engine(model_dir, [{"batch": texts}], {"path": str(folder)}, num_gpu_blocks_override=2 * 17 + 1,
+                      enable_prefix_caching=False)  # one page is vLLM's own null block
+    for got, want in zip(together, plain, strict=True):
+        same_answer(got, want)
+        assert got["cached"] == full_blocks(got)
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +487,7 @@ def test_multimodal_blocks_are_keyed_by_their_images(idefics3_dir, tmp_path):
     warm = engine(idefics3_dir, asked, store)
     # The same picture: its blocks and the document's; another picture, or the same two in another
     # order: only the block of text before them.
-    assert warm[0]["cached"] >= 3 * BLOCK
+    assert warm[0]["cached"] >= 3 * BLOCK - RECHECKED
     assert [r["cached"] for r in warm[1:]] == [BLOCK, BLOCK]
     for got, want in zip(warm, alone, strict=True):
         same_answer(got, want)
@@ -424,7 +502,7 @@ def test_tensor_parallel_ranks_each_store_and_read_their_own_shard(model_dir, pl
     warm = engine(model_dir, [prompt(QUESTIONS[1]), prompt(QUESTIONS[0])], store, tensor_parallel_size=3)
     single = engine(model_dir, [prompt(QUESTIONS[0])], store)
     assert cold[0]["cached"] == 0
-    assert warm[0]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK
+    assert warm[0]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK - RECHECKED
     assert warm[1]["cached"] == full_blocks(warm[1]) > 0
     assert single[0]["cached"] == 0  # one rank's pages are not a shard's
     with PromptStore(store["path"]) as s:  # three shards a block, and the single rank's own blocks

