@@ -13,7 +13,8 @@ engines running at once on one folder and a Redis Cluster, each served the other
 third host through the cluster; ``vllm serve`` restarted between two requests of an OpenAI client;
 LoRA adapters; a corrupt entry; requests with pictures (a small Idefics3: each picture's blocks are
 its own, the text before it is shared); tensor parallelism (three ranks, each its own shard; ``slow``); a
-request preempted and resumed (loaded again). Another ``cache_salt``, adapter, picture, dtype, model,
+request preempted and resumed (loaded again); a failed load beside a prompt that shares its pages; a
+sliding-window model refused. Another ``cache_salt``, adapter, picture, dtype, model,
 configuration override or parallel layout never gets a hit; with keys blind to an override, the hit's
 own check refutes it (tests/vllm_blind.py).
 """
@@ -200,11 +201,14 @@ def test_pages_reused_at_once_still_store_what_was_computed(model_dir, tmp_path)
         assert got["cached"] >= 12 * BLOCK - RECHECKED
 
 
-def test_blocks_computed_over_a_block_that_failed_to_load_are_never_served(model_dir, tmp_path):
+def test_blocks_computed_over_a_block_that_failed_to_load_are_never_served(model_dir, plain, tmp_path):
     """A stored block that cannot be loaded (an entry of another shape under its key, which stays) is
     recomputed by vLLM, but the step's forward first runs the prompt's new tokens over the page that did not
     load. Nothing that step computed is stored: once the block is readable again, a longer prompt over the
-    same document, served from the store, is answered as vLLM alone answers it."""
+    same document, served from the store, is answered as vLLM alone answers it. Asked together with the
+    stored prompt, in steps of 512 tokens, the longer prompt would take the pages being loaded from vLLM's
+    own prefix cache in the same step, and read them while vLLM recomputes them chunk by chunk: it waits a
+    step instead, and both answer as vLLM alone."""
     import numpy as np
 
     folder = tmp_path / "store"
@@ -217,14 +221,18 @@ def test_blocks_computed_over_a_block_that_failed_to_load_are_never_served(model
         block1 = next(i for i in infos if i.parent == block0.key)
         kept = np.array(store.get(block1.key, kind="vllm.kv").tensors["kv"])
         store.put(block1.key, {"kv": np.zeros((1, 4), np.float32)}, kind="vllm.kv", parent=block0.key)
-    failing, plain = engines_at_once(model_dir, [([longer[1]], {"path": str(folder)}), (longer, None)])
-    same_answer(failing[0], plain[1])  # recomputed by vLLM
+    failing, alone = engines_at_once(model_dir, [
+        ([{"batch": [prompt(QUESTIONS[0])["text"], longer[1]["text"]]}], {"path": str(folder)},
+         {"max_num_batched_tokens": 512}),
+        (longer, None)])
+    same_answer(failing[0], plain[Q0])  # recomputed by vLLM
+    same_answer(failing[1], alone[1])  # it did not read the pages that failed to load
     settle(str(folder))
     with PromptStore(folder) as store:
         store.put(block1.key, {"kv": kept}, kind="vllm.kv", parent=block0.key)
     served = engine(model_dir, [longer[0]], {"path": str(folder)})
     assert served[0]["cached"] > full_blocks(first[0])  # the document's blocks and the stored ones after them
-    same_answer(served[0], plain[0])
+    same_answer(served[0], alone[0])
 
 
 def test_another_host_through_redis_then_redis_killed_answers_every_request(model_dir, plain, stored, redis, tmp_path):
@@ -357,6 +365,26 @@ def test_a_request_preempted_and_resumed_is_loaded_again(model_dir, tmp_path):
     for got, want in zip(together, plain, strict=True):
         same_answer(got, want)
         assert got["cached"] == full_blocks(got)
+
+
+def test_a_model_with_sliding_windows_is_refused_when_the_engine_starts(model_dir, tmp_path):
+    """A tiny Mistral with a 64-token sliding window (random weights, SmolLM2's tokenizer): vLLM lays its KV
+    out per window, which a block key does not describe, so the connector refuses it, typed, at start."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = tmp_path / "windowed"
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                                     max_position_embeddings=4096)).save_pretrained(folder)
+    for item in Path(model_dir).iterdir():
+        if "token" in item.name:
+            shutil.copy(item, folder / item.name)
+    proc = subprocess.run([PYTHON, str(ENGINE), _spec(str(folder), [prompt(QUESTIONS[0])], {"path": str(tmp_path / "s")})],
+                          capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode != 0
+    assert "UnsupportedModelError" in proc.stderr and "one full-attention KV cache" in proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ with the vLLM venv's Python).
 
 (optional: ``processes``: vLLM's own process layout, an engine core and a worker process, rather than all in
 this one; ``connector_class``: [class, module] in place of PromptStoreConnector; ``hf_overrides``, ``load_format``,
-``tensor_parallel_size``, ``num_gpu_blocks_override``, ``enable_prefix_caching``: passed to ``LLM``)
+``tensor_parallel_size``, ``num_gpu_blocks_override``, ``enable_prefix_caching``, ``max_num_batched_tokens``:
+passed to ``LLM``)
     python tests/vllm_engine.py --client URL '{"model": DIR, "prompts": [...]}'
 
 Each prompt is ``{"text": ...}``, ``{"batch": [texts]}`` (asked together, one answer each) or
@@ -89,7 +90,7 @@ def engine(spec: dict) -> list[dict]:
     if adapters:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(adapters))
     for name in ("load_format", "tensor_parallel_size", "num_gpu_blocks_override", "hf_overrides",
-                 "enable_prefix_caching"):
+                 "enable_prefix_caching", "max_num_batched_tokens"):
         if name in spec:
             kwargs[name] = spec[name]
     if any("image" in p for p in spec["prompts"]):

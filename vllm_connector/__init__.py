@@ -21,7 +21,8 @@ of a block under a key of its own, and a block is served only when every rank's 
 Per request: the LoRA adapter (its files, not its name), ``cache_salt``, and each multimodal item
 (vLLM's hash of it, its modality and where its placeholder lies in the block), chained into the
 block that holds it and so into every later block. Requests given as embeddings (``prompt_embeds``)
-are neither served nor stored, and neither are context-parallel engines.
+are neither served nor stored; context-parallel engines, and models whose KV cache is not one
+full-attention group (sliding windows, hybrid, MLA), are refused (``UnsupportedModelError``).
 
 A block's entry holds its bytes for every layer as vLLM's page holds them (``vllm.kv``). The
 scheduler side finds the longest stored run of blocks past vLLM's own hit by index lookups
@@ -34,7 +35,9 @@ CPU; a copy waits at most ``MAX_DEFER_S``, and less while more than ``MAX_DEFERR
 copies wait (an engine that never pauses still stores). Nothing a step computed is stored when a load
 failed in it (its tokens ran over pages that did not load, and so did any request that took those
 pages from vLLM's own prefix cache in that step; vLLM recomputes them, and they are stored then), and
-those pages leave vLLM's prefix cache; on several ranks, where only the failing rank knows, the blocks
+those pages leave vLLM's prefix cache (those of a request aborted meanwhile too); a request whose own
+prefix-cache hit covers pages being loaded in the same scheduling pass waits a step (until the load is
+checked); on several ranks, where only the failing rank knows, the blocks
 a loading step computes are planned in the next step instead. A preempted request is looked up again
 when it resumes, and what the store serves it is loaded again. An engine with more than one batch in
 flight (asynchronous scheduling, pipeline stages) stores but is served nothing: vLLM would have
@@ -207,6 +210,16 @@ class PromptStoreConnector(KVConnectorBase_V1):
             # A context-parallel rank holds some tokens of every block: its pages are not blocks.
             raise UnsupportedModelError("PromptStoreConnector does not serve context-parallel engines "
                                         "(decode_context_parallel_size / prefill_context_parallel_size > 1)")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None:
+            from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+            if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+                # Sliding windows, hybrid and MLA caches lay blocks out otherwise (and vLLM cannot recompute a
+                # failed block of a model with several cache groups): not served or stored, refused.
+                raise UnsupportedModelError(
+                    "PromptStoreConnector serves models with one full-attention KV cache (found "
+                    + ", ".join(type(g.kv_cache_spec).__name__ for g in groups) + ")")
         # Every rank's shard of a block: (tensor-parallel rank, pipeline stage).
         self._shards = [(t, p) for p in range(parallel.pipeline_parallel_size)
                         for t in range(parallel.tensor_parallel_size)]
@@ -236,6 +249,8 @@ class PromptStoreConnector(KVConnectorBase_V1):
         self._deferred_bytes = 0  # copied blocks waiting for a pause to be written
         self._refuted: set[bytes] = set()  # scheduler: roots a check refuted, neither served nor stored from now
         self._planned: dict[str, int] = {}  # scheduler: per request planned for storing in the last step, from which block
+        self._step_blocks: dict[str, list[int]] = {}  # scheduler: the last step's requests' pages (past their end)
+        self._loading: set[bytes] = set()  # scheduler: blocks being loaded in this scheduling pass
         self._checks: list[_Check] = []  # worker: this step's loaded blocks to check after its forward
         self._newly_refuted: set[bytes] = set()  # worker: refuted since the last step's report, for the scheduler
         self._refuted_here: set[bytes] = set()  # worker: every root it refuted (nothing stored under them)
@@ -324,6 +339,11 @@ class PromptStoreConnector(KVConnectorBase_V1):
         root = self._root(request)
         if root is None or root in self._refuted or len(ids) < 2:
             return 0, False
+        local = num_computed_tokens // self.block_size
+        if self._loading and not self._loading.isdisjoint(self._keys(root, request, ids, local)):
+            # vLLM's own hit covers pages another request loads in this step, unchecked yet: wait a step (None),
+            # so that a load that fails or is refuted is out of vLLM's prefix cache before this one reads it.
+            return None, False
         # At least the last token is computed; an engine that is served nothing only stores.
         usable = (len(ids) - 1) // self.block_size if self._serves else 0
         keys = self._keys(root, request, ids, len(ids) // self.block_size)
@@ -345,10 +365,14 @@ class PromptStoreConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if tracked is not None:
             tracked.external = num_external_tokens
+            if num_external_tokens:
+                first = tracked.local // self.block_size
+                self._loading.update(tracked.keys[first : first + -(-num_external_tokens // self.block_size)])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PromptStoreConnectorMetadata()
         self._planned = {}
+        self._loading = set()  # this pass is over; its loads are checked before the next one (one batch in flight)
         steps: list[tuple[str, _Tracked, int]] = []  # (request, its state, tokens computed before this step)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -383,6 +407,7 @@ class PromptStoreConnector(KVConnectorBase_V1):
         for req_id, tracked, computed in steps:
             scheduled = 0 if defer else scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_stores(meta, req_id, tracked, computed + scheduled)
+        self._step_blocks = {req_id: list(tracked.block_ids) for req_id, tracked, _ in steps}
         return meta
 
     def _plan_stores(self, meta: PromptStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
@@ -423,7 +448,11 @@ class PromptStoreConnector(KVConnectorBase_V1):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return
-        stale: set[int] = set()
+        stale: set[int] = set(invalid)
+        for pages in self._step_blocks.values():  # the step's own lists: one aborted since has left _tracked
+            failed = [b for b, page in enumerate(pages) if page in invalid]
+            if failed:
+                stale.update(pages[min(failed):])
         for req_id, before in self._planned.items():  # the worker stored nothing of that step: plan it again
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -436,7 +465,6 @@ class PromptStoreConnector(KVConnectorBase_V1):
                 for key in tracked.keys[min(failed) : tracked.stored]:
                     self._recent.pop(key, None)
                 tracked.stored = min(tracked.stored, min(failed))
-                stale.update(tracked.block_ids[min(failed):])
         manager = getattr(self, "_kv_cache_manager", None)
         if stale and manager is not None:
             # vLLM keeps these pages in its own prefix cache until the request recomputes them in place: a
@@ -497,11 +525,14 @@ class PromptStoreConnector(KVConnectorBase_V1):
         pages = [self._block(t, block_id) for _, t in self._pages]
         if data.shape != (len(pages), *pages[0].shape) or _stored_dtype(pages[0]) != entry.dtypes["kv"]:
             return None
-        host = torch.from_numpy(np.ascontiguousarray(data))
-        if pages[0].dtype == torch.bfloat16:
-            host = host.view(torch.bfloat16)
-        for i, page in enumerate(pages):
-            page.copy_(host[i])
+        try:
+            host = torch.from_numpy(np.ascontiguousarray(data))
+            if pages[0].dtype == torch.bfloat16:
+                host = host.view(torch.bfloat16)
+            for i, page in enumerate(pages):
+                page.copy_(host[i])
+        except Exception:  # noqa: BLE001 - a block that cannot be copied in is a failed load, recomputed
+            return None
         return host
 
     def _check_loads(self) -> None:
