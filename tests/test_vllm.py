@@ -531,9 +531,9 @@ def test_tensor_parallel_ranks_each_store_and_read_their_own_shard(model_dir, pl
     single = engine(model_dir, [prompt(QUESTIONS[0])], store)
     assert cold[0]["cached"] == 0
     assert warm[0]["cached"] >= len(DOC) // 8 // BLOCK * BLOCK - RECHECKED
-    assert warm[1]["cached"] == full_blocks(warm[1]) > 0
+    assert warm[1]["cached"] >= full_blocks(warm[1]) > 0  # vLLM's own hit on what warm[0] loaded: a token more
     assert single[0]["cached"] == 0  # one rank's pages are not a shard's
     with PromptStore(store["path"]) as s:  # three shards a block, and the single rank's own blocks
-        assert len(s.ls(kind="vllm.kv")) == (3 + 1) * (full_blocks(cold[0]) // BLOCK)
+        assert len(s.ls(kind="vllm.kv")) == (3 + 1) * ((cold[0]["prompt_tokens"] - 1) // BLOCK)
     for got, want in ((warm[0], plain[Q1]), (warm[1], plain[Q0]), (single[0], plain[Q0])):
         assert got["text"] == want["text"]
