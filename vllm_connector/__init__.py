@@ -339,14 +339,13 @@ class PromptStoreConnector(KVConnectorBase_V1):
         root = self._root(request)
         if root is None or root in self._refuted or len(ids) < 2:
             return 0, False
-        local = num_computed_tokens // self.block_size
-        if self._loading and not self._loading.isdisjoint(self._keys(root, request, ids, local)):
+        keys = self._keys(root, request, ids, len(ids) // self.block_size)
+        if self._loading and not self._loading.isdisjoint(keys[: num_computed_tokens // self.block_size]):
             # vLLM's own hit covers pages another request loads in this step, unchecked yet: wait a step (None),
             # so that a load that fails or is refuted is out of vLLM's prefix cache before this one reads it.
             return None, False
         # At least the last token is computed; an engine that is served nothing only stores.
         usable = (len(ids) - 1) // self.block_size if self._serves else 0
-        keys = self._keys(root, request, ids, len(ids) // self.block_size)
         found = 0
         try:
             for key in keys[:usable]:
