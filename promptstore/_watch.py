@@ -44,7 +44,6 @@ import threading
 from typing import NamedTuple
 
 from ._kernel import (
-    PAGE_IS_FILE,
     PAGE_IS_PRESENT,
     PAGE_IS_WPALLOWED,
     PAGE_IS_WRITTEN,
@@ -79,10 +78,13 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SPAN_GAP = 1 << 20  # remembered ranges this close share one scan
 _UFFD_USER_MODE_ONLY = 1  # lets an unprivileged process open one; the kernel still resolves its own writes
 # A page that breaks the proof: not in a registered mapping, not present (a hole reads as zeros
-# later; a swapped page is hashed again rather than trusted), written, or a file's page.
+# later; a swapped page is hashed again rather than trusted), or written. A file's page is excluded
+# by the mapping, not the page: the scan is bracketed by checks that the range lies in private
+# anonymous mappings, which hold no file pages, and a mapping put there meanwhile is not registered.
+# (Asking the scan for file pages reads every page's struct page: 6 ms of SAM 3's 7 for 1.4 GB.)
 _INVERTED = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT
-_ANY_BAD = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_WRITTEN | PAGE_IS_FILE
-_MAPPED_KINDS = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_FILE
+_ANY_BAD = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT | PAGE_IS_WRITTEN
+_MAPPED_KINDS = PAGE_IS_WPALLOWED | PAGE_IS_PRESENT
 _MAX_FILES_CHECKED = 512  # each costs a readlink on every fingerprint (about 2 us)
 # Files through which a device (or the kernel, asynchronously) may write this process's memory by DMA.
 _DMA_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/", "/dev/accel/", "/dev/infiniband/", "/dev/vfio/",
@@ -194,6 +196,8 @@ class WriteWatch:
                 # The scan walks mapped memory only: a hole, or a mapping it skips (VM_PFNMAP), reports nothing.
                 mapped = self._private_anonymous(lo, hi)
                 bad = self._bad(lo, hi, 2 * len(members) + 16) if mapped else None
+                if bad is not None and not self._private_anonymous(lo, hi):
+                    bad = [(lo, hi, 0)]  # the mappings changed during the scan: no page of them is proven
                 for i in members:
                     found = self._known.get(ranges[i])
                     if found is None:
@@ -201,6 +205,8 @@ class WriteWatch:
                     mine: list[tuple[int, int, int]] | None = bad
                     if mine is None and (mapped or self._private_anonymous(found.lo, found.hi)):
                         mine = self._bad(found.lo, found.hi, 8)  # too many regions in the span: alone
+                        if mine is not None and not self._private_anonymous(found.lo, found.hi):
+                            mine = None
                     if mine is not None and found.valid_despite(mine, compare=True):
                         out[i] = found.digest
                     else:

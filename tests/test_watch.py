@@ -196,6 +196,27 @@ def test_memory_mapped_again_under_a_tensor_is_hashed():
         libc.munmap(address, n)
 
 
+def test_a_file_mapped_under_a_tensor_is_hashed_not_recalled(tmp_path):
+    """A file's private mapping put where remembered anonymous memory was (the scan asks for no file pages:
+    the mapping itself must break the proof), with other bytes than those remembered."""
+    libc = LIBC
+    n, rw, private, private_anonymous, fixed = 8 << 20, 3, 0x02, 0x22, 0x10
+    path = tmp_path / "other.bin"
+    path.write_bytes(np.full(n // 4, 2.5, np.float32).tobytes())
+    address = libc.mmap(None, n, rw, private_anonymous, -1, 0)
+    try:
+        t = torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.float32)
+        t.fill_(1.5)
+        before = digest(t)
+        assert digest(t) == before
+        with open(path, "rb") as f:
+            assert libc.mmap(address, n, rw, private | fixed, f.fileno(), 0) == address
+        assert float(t[0]) == 2.5
+        assert digest(t) == fresh(t) != before
+    finally:
+        libc.munmap(address, n)
+
+
 def test_protecting_an_overlapping_view_forgets_the_whole():
     """Protecting a view resets the kernel's record of writes to its pages: a remembered digest of the
     tensor around it must not survive on that record."""
