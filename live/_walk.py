@@ -19,6 +19,7 @@ unrelated library object a function happens to name (a logger) does not.
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import functools
 import logging
@@ -56,6 +57,39 @@ _LARGE = 4096  # containers this long are digested once per object and length (s
 
 _MISSING: Any = object()
 
+
+def _version_reader() -> Callable[[dict[Any, Any]], int] | None:
+    """CPython 3.11's per-dict version tag (``ma_version_tag``, PEP 509), or None where it cannot be trusted.
+
+    The interpreter sets it to a new process-wide value on every change to the dict (an entry added,
+    replaced by another object, or removed; the dict cleared), so an unchanged tag means the same
+    keys, in the same order, holding the same objects. Read at its place in the dict's header,
+    after a self-test that the place holds a tag that moves with each kind of change; off on
+    other interpreters and versions (from 3.12 the field is deprecated and shared with watchers).
+    """
+    if sys.implementation.name != "cpython" or sys.version_info[:2] != (3, 11) or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    offset = 3 * ctypes.sizeof(ctypes.c_void_p)  # after the refcount, the type and ma_used
+
+    def read(d: dict[Any, Any]) -> int:
+        return ctypes.c_uint64.from_address(id(d) + offset).value
+
+    probe: dict[Any, Any] = {str(i): i for i in range(300)}
+    used = ctypes.c_ssize_t.from_address(id(probe) + 2 * ctypes.sizeof(ctypes.c_void_p)).value
+    seen = [read(probe)]
+    for change in (lambda: probe.__setitem__("0", object()), lambda: probe.__setitem__("new", 1),
+                   lambda: probe.pop("1"), lambda: probe.update({"2": object()}), lambda: probe.setdefault("x", 2),
+                   lambda: probe.popitem(), probe.clear):
+        change()
+        seen.append(read(probe))
+    if used != 300 or len(set(seen)) != len(seen):
+        return None
+    return read
+
+
+_dict_version = _version_reader()
+_VERSIONED_MIN = 256  # dicts this long are checked by their tag, where it can be read
+
 # What other files of this package know how to describe, registered there when they are imported
 # (the package imports them all): "module", a torch module held outside the tree being walked
 # (_modules.walk_module); "entry-methods", what a class's code reaches on the class
@@ -88,10 +122,11 @@ class Reads:
     that read state outside Python objects (a Rust tokenizer, packed weights): always walked again.
     """
 
-    __slots__ = ("empty", "dicts", "items", "attrs", "cells", "seqs", "sizes", "sets", "calls", "volatile")
+    __slots__ = ("empty", "dicts", "versioned", "items", "attrs", "cells", "seqs", "sizes", "sets", "calls", "volatile")
 
     def __init__(self) -> None:
         self.empty: list[dict[Any, Any]] = []
+        self.versioned: list[tuple[dict[Any, Any], int]] = []  # large plain dicts, by CPython's version tag
         self.dicts: list[tuple[dict[Any, Any], tuple[Any, ...], tuple[Any, ...]]] = []
         self.items: list[tuple[Any, Any, Any]] = []
         self.attrs: list[tuple[Any, str, Any]] = []
@@ -110,7 +145,10 @@ class Reads:
         if isinstance(d, dict) and type(d).items is dict.items or type(d).items is collections.OrderedDict.items:
             # A whole dict: its keys and values as they are now, compared in C on the next call.
             keys, values = tuple(d), tuple(dict.values(d))
-            if keys:
+            if len(keys) >= _VERSIONED_MIN and type(d) is dict and _dict_version is not None:
+                # (A tokenizer's 49k merges: 1.4 ms a call entry by entry, 0.4 us by the tag.)
+                self.versioned.append((d, _dict_version(d)))
+            elif keys:
                 self.dicts.append((d, keys, values))
             else:
                 self.empty.append(d)  # most hook dicts: checked together, in C
@@ -150,6 +188,9 @@ class Reads:
         is_ = operator.is_
         if any(map(len, self.empty)):
             return False
+        for d, version in self.versioned:
+            if _dict_version(d) != version:  # type: ignore[misc]
+                return False
         for d, keys, values in self.dicts:
             if len(d) != len(keys) or tuple(d) != keys or not all(map(is_, dict.values(d), values)):
                 return False

@@ -436,6 +436,9 @@ class _Host:
         return (ctypes.c_char * self.size).from_address(self.address) if self.size else b""
 
 
+_DTYPE_NAMES: dict[Any, str] = {}  # str(torch.dtype), made once per dtype
+
+
 def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
     """(dtype name, shape, identity, bytes) of a numpy array or a torch tensor."""
     if isinstance(t, np.ndarray):
@@ -445,23 +448,29 @@ def _raw(t: Any) -> tuple[str, tuple[int, ...], Any, _Host | _DeviceSums]:
     torch = sys.modules.get("torch")  # a tensor means torch is loaded: the core never imports it
     if torch is None or not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a numpy array or a torch tensor, got {type(t).__name__}")
-    shape = tuple(t.shape)
-    ident = (t.data_ptr(), t.dtype, shape, tuple(t.stride()))
-    dense = t.layout == torch.strided and t.is_contiguous()
-    if t.layout == torch.strided and t.numel():
+    shape, dtype = tuple(t.shape), t.dtype
+    ident = (t.data_ptr(), dtype, shape, t.stride())
+    strided = t.layout == torch.strided
+    dense = strided and t.is_contiguous()
+    storage = None
+    if strided and t.numel():
         # A view past its storage's end (the storage freed or shrunk under it, as sharded training frees
         # parameters) has no bytes to read: reading them would read freed memory. (A dense view's extent
         # is its size: the sum over strides, 1.5 us a tensor, only for the others.)
-        extent = t.nbytes if dense else (sum((n - 1) * step for n, step in zip(shape, t.stride(), strict=True)) + 1
-                                         ) * t.element_size()
-        if t.untyped_storage().nbytes() < t.storage_offset() * t.element_size() + extent:
+        size = t.element_size()
+        extent = t.nbytes if dense else (sum((n - 1) * step for n, step in zip(shape, ident[3], strict=True)) + 1) * size
+        storage = t.untyped_storage()
+        if storage.nbytes() < t.storage_offset() * size + extent:
             raise ValueError("a tensor whose storage does not hold its elements (freed or shrunk) cannot be digested")
     # Read in place only a plain dense view; a conjugate or negative view's memory is not its value: it is
     # resolved below, and digested as the values it stands for.
-    if t.is_cpu and dense and not t.is_conj() and not t.is_neg() and ident[0]:
-        # The detached view holds the storage: swapping the tensor's .data (``.half()``, ``load_state_dict(assign=
+    if dense and storage is not None and t.is_cpu and not t.is_conj() and not t.is_neg() and ident[0]:
+        # The storage object holds the memory: swapping the tensor's .data (``.half()``, ``load_state_dict(assign=
         # True)``) before the bytes are hashed leaves them alive.
-        return str(t.dtype), shape, ident, _Host(ident[0], t.nbytes, t.detach(), True)
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+        return name, shape, ident, _Host(ident[0], extent, storage, True)
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         # Copying every weight to the host on every request would cost more than the hit saves
@@ -569,12 +578,12 @@ def digest_tensors(label: str, named: Iterable[tuple[str, Any]]) -> str:
             dtype, shape, ident, data = _raw(t)
             if not ident[0]:  # no address (torch's lazy device: data_ptr() is 0): only the same object again is a tie
                 ident = id(t)  # alive, so its id is not reused within the call; an int is never a tuple ident
-            fields.append(_framed(name.encode("utf-8", "surrogatepass")))
             if data.size and ident in seen:
+                fields.append(_framed(name.encode("utf-8", "surrogatepass")))
                 fields.append(_framed(f"tied:{seen[ident]}".encode()))
                 continue
             seen[ident] = name
-            fields.append(_framed(f"{dtype}{shape}".encode()) + data.size.to_bytes(8, "little"))
+            fields.append(_header(name, dtype, shape, data.size))
             if isinstance(data, _DeviceSums):
                 on_device.append((len(fields), data.sums))
                 fields.append(b"")  # filled in below, after one copy of every tensor's sums
@@ -667,3 +676,18 @@ _PARALLEL_BYTES = 1 << 20
 
 def _framed(data: bytes) -> bytes:
     return len(data).to_bytes(8, "little") + data
+
+
+_HEADERS: dict[tuple[str, str, tuple[int, ...], int], bytes] = {}
+
+
+def _header(name: str, dtype: str, shape: tuple[int, ...], size: int) -> bytes:
+    """A tensor's framed name, dtype, shape and byte count (the same few hundred per model: made once each)."""
+    key = (name, dtype, shape, size)
+    out = _HEADERS.get(key)
+    if out is None:
+        out = (_framed(name.encode("utf-8", "surrogatepass")) + _framed(f"{dtype}{shape}".encode())
+               + size.to_bytes(8, "little"))
+        if len(_HEADERS) < 1 << 16:
+            _HEADERS[key] = out
+    return out

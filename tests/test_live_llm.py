@@ -828,6 +828,32 @@ def test_code_without_a_source_file_is_named_with_its_flags():
     assert module_identity(holder) != before
 
 
+@pytest.mark.parametrize("edit", ["replace", "add", "remove", "clear"])
+def test_a_large_table_edited_in_place_changes_the_identity(edit):
+    """A merges table of 5,000 entries held by a module (checked between walks by the dict's version
+    tag where CPython's can be read): every kind of edit is seen, and undoing it gives the identity back."""
+    from promptstore._live import module_structure
+
+    holder = torch.nn.Linear(2, 2)
+    table = {(str(i), str(i + 1)): i for i in range(5000)}
+    holder.ranks = table
+    before = module_structure(holder)[0]
+    assert module_structure(holder)[0] == before
+    saved = dict(table)
+    if edit == "replace":
+        table[("0", "1")] = 4999
+    elif edit == "add":
+        table[("a", "b")] = 5000
+    elif edit == "remove":
+        del table[("7", "8")]
+    else:
+        table.clear()
+    assert module_structure(holder)[0] != before
+    table.clear()
+    table.update(saved)
+    assert module_structure(holder)[0] == before
+
+
 def test_an_object_with_slots_is_keyed_by_what_they_hold():
     from promptstore._live import module_identity
 
