@@ -399,7 +399,7 @@ def grounding(tmp_path_factory=None, seed: int = 0):
         text_config=BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                vocab_size=len(words)),
         d_model=32, encoder_layers=1, decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=20,
-        encoder_attention_heads=4, decoder_attention_heads=4, num_feature_levels=3, encoder_n_points=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, num_feature_levels=4, encoder_n_points=2,
         decoder_n_points=2, max_text_len=32)
     model = GroundingDinoForObjectDetection(config).eval()
     return model, BertTokenizer(str(vocab)), GroundingDinoImageProcessor(size={"shortest_edge": 224, "longest_edge": 224})
@@ -407,27 +407,36 @@ def grounding(tmp_path_factory=None, seed: int = 0):
 
 def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the_plain_call(store):
     model, tokenizer, images = grounding()
-    Counting(model.model.text_backbone.embeddings)
+    # One tally (tests/counting.py) counts a row per label the text backbone encodes and one per run of
+    # the image backbone (Swin), which the served call runs once per image, the plain one once per label.
+    text, image = model.model.text_backbone.embeddings, model.model.backbone.conv_encoder.model.swin.embeddings
+    Counting(text), Counting(image)
     args = dict(model=model, tokenizer=tokenizer, image_processor=images)
     plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
     pics = pictures(2)
     call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
-    want = [plain(p, **call) for p in pics]
-    with Counting(model.model.text_backbone.embeddings) as runs:
+    with Counting(text) as runs:
+        want = [plain(p, **call) for p in pics]
+    assert runs.rows == 2 * len(pics) * len(LABELS)
+    with Counting(text) as runs:
         miss = served(pics[0], **call)
-    assert runs.rows == len(LABELS)
-    with Counting(model.model.text_backbone.embeddings) as runs:
+    assert runs.rows == len(LABELS) + 1
+    with Counting(text) as runs:
         hit = [served(p, **call) for p in pics]
-    assert runs.rows == 0
+    assert runs.rows == len(pics)
     for got, ref in zip([miss, *hit], [want[0], *want], strict=True):
         same_scores(got, ref, atol=1e-5)
     # An edited text weight: another key, every label encoded again, equal to the plain call.
     with torch.no_grad():
         model.model.text_backbone.embeddings.LayerNorm.bias.add_(0.3)
-    with Counting(model.model.text_backbone.embeddings) as runs:
+    with Counting(text) as runs:
         edited = served(pics[0], **call)
-    assert runs.rows == len(LABELS)
+    assert runs.rows == len(LABELS) + 1
     same_scores(edited, plain(pics[0], **call), atol=1e-5)
+    # An edit to the image backbone between calls is computed, not reused from an earlier call.
+    with torch.no_grad():
+        model.model.backbone.conv_encoder.model.swin.embeddings.norm.bias.add_(0.3)
+    same_scores(served(pics[0], **call), plain(pics[0], **call), atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip", "grounding_dino"])

@@ -300,6 +300,49 @@ def _Served(pooled: Any, hidden: Any = None) -> Any:  # noqa: N802 - the module 
     return _served_module()(pooled, hidden)
 
 
+@functools.cache
+def _backbone_once_module() -> Any:
+    """The image backbone's stand-in class, built once (torch is imported lazily)."""
+    import torch
+
+    def copied(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (list, tuple)):
+            return type(value)(copied(v) for v in value)
+        return value
+
+    class BackboneOnce(torch.nn.Module):
+        """Grounding DINO's backbone for one label of a call: its output for these pixels and mask, computed at
+        the call's first label and copied (a later step writing into what it got cannot reach the others)."""
+
+        def __init__(self, backbone: Any, holder: Any, call: Any) -> None:
+            super().__init__()
+            self.backbone, self.holder, self.call = backbone, holder, call
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:  # what the model reads of its backbone besides the call (position_embedding)
+                return getattr(self._modules["backbone"], name)
+
+        def forward(self, pixel_values: Any, pixel_mask: Any) -> Any:
+            memo = self.holder._image_memo
+            if (memo is not None and memo[0] is self.call and memo[1].shape == pixel_values.shape
+                    and memo[2].shape == pixel_mask.shape and torch.equal(memo[1], pixel_values)
+                    and torch.equal(memo[2], pixel_mask)):
+                return copied(memo[3])
+            out = self.backbone(pixel_values, pixel_mask)
+            self.holder._image_memo = (self.call, pixel_values, pixel_mask, copied(out))
+            return out
+
+    return BackboneOnce
+
+
+def _BackboneOnce(backbone: Any, holder: Any, call: Any) -> Any:  # noqa: N802 - as _Served
+    return _backbone_once_module()(backbone, holder, call)
+
+
 class _Classifier:
     """``ZeroShotImageClassificationPipeline._forward`` with the text tower's rows from the store."""
 
@@ -324,7 +367,7 @@ class _Detector:
     of the image reusing its feature map."""
 
     _promptstore: _TextSide
-    _image_memo: tuple[Any, Any, Any] | None = None  # (the call's token, pixel values, image tower's output)
+    _image_memo: tuple[Any, ...] | None = None  # (the call's token, pixel values[, pixel mask], the image side's output)
 
     def preprocess(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' preprocess, each label's inputs marked with its call (an object the device moves and
@@ -344,7 +387,8 @@ class _Detector:
         fingerprint = side.call_fingerprint(call)
         try:
             if side.path == DETECTOR_FAMILIES["grounding-dino"]:
-                outputs = side.grounded(model_inputs, fingerprint)
+                with self._backbone_once(call):
+                    outputs = side.grounded(model_inputs, fingerprint)
                 return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
             output = self._owl(model_inputs, call, fingerprint)
         finally:
@@ -352,6 +396,19 @@ class _Detector:
                 side.end_call()
                 self._image_memo = None
         return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **output}
+
+    @contextmanager
+    def _backbone_once(self, call: Any) -> Any:
+        """Grounding DINO's image backbone (Swin and its position embeddings: no text enters them) run once
+        per ``call``: the call's later labels get copies of its output for the same pixels and mask, as
+        transformers' pipeline computes it again for each (1.2 of a 7.5 s forward at 800 x 1066)."""
+        owner = self.model.model  # type: ignore[attr-defined]
+        original = owner.backbone
+        owner.backbone = _BackboneOnce(original, self, call)
+        try:
+            yield
+        finally:
+            owner.backbone = original
 
     def _owl(self, model_inputs: Any, call: Any, fingerprint: str) -> dict[str, Any]:
         """OWL's detection for one label; the image tower runs once per ``call``."""
