@@ -169,6 +169,7 @@ def _library(filename: str) -> bool:
 
 # label -> {name: the entry found to be torch's own}: a later call only checks that it is still there.
 _PRISTINE: dict[str, dict[str, Any]] = {}
+_CLEAN: dict[str, int] = {}  # label -> its namespace's version tag when no entry of it was found replaced
 
 
 def _replaced_functions(torch: Any) -> list[str]:
@@ -181,11 +182,20 @@ def _replaced_functions(torch: Any) -> list[str]:
 
     from ._walk import Unidentifiable, Walk
 
+    from ._walk import dict_version
+
     torch_dir = os.path.dirname(torch.__file__)
     walk = None
     for label, table, names in _function_tables(torch):
         seen = _PRISTINE.setdefault(label, {})
-        for name, fn in list(vars(table).items()):
+        namespace = vars(table)
+        # A module's namespace whose version tag has not moved since every entry was found torch's own
+        # holds the same objects: nothing to check (torch's 1,517 names, ~0.15 ms a call otherwise).
+        version = dict_version(namespace) if type(namespace) is dict else None
+        if version is not None and _CLEAN.get(label) == version:
+            continue
+        lines = len(walk.lines) if walk is not None else 0
+        for name, fn in list(namespace.items()):
             # Private names are torch's internals, out of contract like its code edited in place.
             if seen.get(name) is fn or name.startswith("_") or (names is not None and name not in names):
                 continue
@@ -200,4 +210,6 @@ def _replaced_functions(torch: Any) -> list[str]:
                 from promptstore.errors import UnsupportedModelError
 
                 raise UnsupportedModelError(f"{label}.{name} is replaced by something that cannot be named: {exc}") from None
+        if version is not None and (walk is None or len(walk.lines) == lines):
+            _CLEAN[label] = version
     return [] if walk is None else ["replaced:" + "\n".join(walk.lines)]

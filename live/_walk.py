@@ -88,6 +88,11 @@ def _version_reader() -> Callable[[dict[Any, Any]], int] | None:
 
 
 _dict_version = _version_reader()
+
+
+def dict_version(d: dict[Any, Any]) -> int | None:
+    """``d``'s version tag (see :func:`_version_reader`), or None where it cannot be read."""
+    return _dict_version(d) if _dict_version is not None else None
 _VERSIONED_MIN = 256  # dicts this long are checked by their tag, where it can be read
 
 # What other files of this package know how to describe, registered there when they are imported
