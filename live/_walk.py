@@ -93,7 +93,7 @@ _dict_version = _version_reader()
 def dict_version(d: dict[Any, Any]) -> int | None:
     """``d``'s version tag (see :func:`_version_reader`), or None where it cannot be read."""
     return _dict_version(d) if _dict_version is not None else None
-_VERSIONED_MIN = 256  # dicts this long are checked by their tag, where it can be read
+_VERSIONED_MIN = 8  # dicts this long are checked by their tag, where it can be read
 
 # What other files of this package know how to describe, registered there when they are imported
 # (the package imports them all): "module", a torch module held outside the tree being walked
