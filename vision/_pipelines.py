@@ -165,8 +165,7 @@ class _TextSide:
 
         recipes = Recipes(self.store, fingerprint if fingerprint is not None else self.fingerprint())
         dtype = next(self.tower.parameters()).dtype
-        names = [_row_name(input_ids[i], None if attention_mask is None else attention_mask[i])
-                 for i in range(input_ids.shape[0])]
+        names = _row_names(input_ids, attention_mask)
         found: dict[str, Any] = {}
         for name in dict.fromkeys(names):
             row = _read(self.store.get(recipes.text(name), kind=TEXT_KIND), dtype)
@@ -252,6 +251,15 @@ class _TextSide:
             yield
         finally:
             setattr(owner, name, original)
+
+
+def _row_names(input_ids: Any, attention_mask: Any | None) -> list[str]:
+    """:func:`_row_name` of every row (the ids read once, not one tensor operation per row)."""
+    rows = input_ids.tolist()
+    if attention_mask is None:
+        return ["ids:" + ",".join(map(str, row)) + f"|padded:{len(row)}" for row in rows]
+    return ["ids:" + ",".join(str(t) for t, m in zip(row, kept, strict=True) if m)
+            for row, kept in zip(rows, attention_mask.tolist(), strict=True)]
 
 
 def _row_name(ids: Any, mask: Any | None) -> str:
