@@ -69,7 +69,9 @@ RESULTS: dict[str, tuple[str, ...]] = {
                          "vision_pipelines_2026-12-05b.json", "vision_pipelines_2026-12-05c.json",
                          "vision_pipelines_2026-12-05d.json", "vision_pipelines_2026-12-05e.json",
                          "vision_pipelines_2026-12-06.json", "vision_pipelines_2026-12-06b.json",
-                         "vision_pipelines_2026-12-06c.json", "vision_pipelines_2026-12-06d.json"),
+                         "vision_pipelines_2026-12-06c.json", "vision_pipelines_2026-12-06d.json",
+                         "vision_pipelines_2026-12-07.json", "vision_pipelines_2026-12-07b.json",
+                         "vision_pipelines_2026-12-07c.json", "vision_pipelines_2026-12-07d.json"),
     "vision_bench": ("vision_bench_2026-11-30.json",),
     "store_bench": ("store_bench_2026-11-30.json",),
     "cluster_bench": ("cluster_bench_2026-12-02.json",),
@@ -120,6 +122,20 @@ STATED: dict[str, dict[str, str]] = {
                                                   "for devices at every fingerprint). The plain calls ran faster than in "
                                                   "the 2026-12-06b run (0.90 s against 2.25 s first): the machine, not the "
                                                   "code, whose plain path is unchanged; compare within a run."},
+    "vision_pipelines_2026-12-07.json": {"note": "SAM 3, SigLIP, CLIP, OmDet-Turbo and Grounding DINO (--processes 3) "
+                                                 "after three changes: the write watch's scan no longer asks for file "
+                                                 "pages (the struct page of every page was read), large dicts are "
+                                                 "checked by CPython's version tag, and Grounding DINO's image backbone "
+                                                 "runs once per call. Intel Xeon, as the 2026-12-06d run."},
+    "vision_pipelines_2026-12-07b.json": {"note": "SAM 3, SigLIP, CLIP and OmDet-Turbo again, after the ambient "
+                                                  "state's function tables and every module dict were also checked by "
+                                                  "version tag. The plain calls ran 7-14% slower than in the 2026-12-07 "
+                                                  "run, on the same machine: compare within a run."},
+    "vision_pipelines_2026-12-07c.json": {"note": "CLIP and SigLIP with --built weights (anonymous memory, proven by the "
+                                                  "write watch), right after the 2026-12-07b run: the row to compare "
+                                                  "with the 2026-12-06c run's."},
+    "vision_pipelines_2026-12-07d.json": {"note": "CLIP, SigLIP and OmDet-Turbo from files again, right after the "
+                                                  "2026-12-07c run, with a call's row names read in one pass."},
     "llamacpp_never_slower_2026-12-05.json": {"note": "LlamaCppCache stores the context's state without "
                                                       "llama-cpp-python's save_state() from this run on; the same machine "
                                                       "type (AMD EPYC, 2 cores) as the 2026-12-03 run, whose table is "

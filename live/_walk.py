@@ -149,10 +149,13 @@ class Reads:
         """All of a mapping's items, recorded (a dict by entry; another mapping by its item list)."""
         if isinstance(d, dict) and type(d).items is dict.items or type(d).items is collections.OrderedDict.items:
             # A whole dict: its keys and values as they are now, compared in C on the next call.
+            # The tag is read before the items: a change from another thread between the two reads then
+            # moves the tag away from the one recorded, and the next check walks again.
+            version = _dict_version(d) if type(d) is dict and _dict_version is not None else None
             keys, values = tuple(d), tuple(dict.values(d))
-            if len(keys) >= _VERSIONED_MIN and type(d) is dict and _dict_version is not None:
+            if len(keys) >= _VERSIONED_MIN and version is not None:
                 # (A tokenizer's 49k merges: 1.4 ms a call entry by entry, 0.4 us by the tag.)
-                self.versioned.append((d, _dict_version(d)))
+                self.versioned.append((d, version))
             elif keys:
                 self.dicts.append((d, keys, values))
             else:
@@ -548,6 +551,7 @@ class Walk:
             self.reads.attr(v, "__class__", cls)
         d = getattr(v, "__dict__", None)
         if isinstance(d, dict):
+            self.reads.attr(v, "__dict__", d)  # a new dict assigned to ``obj.__dict__`` leaves the old one as it was
             fields.update(self.reads.mapping(d))
         for klass in cls.__mro__:
             slots = klass.__dict__.get("__slots__", ())

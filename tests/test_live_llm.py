@@ -854,6 +854,48 @@ def test_a_large_table_edited_in_place_changes_the_identity(edit):
     assert module_structure(holder)[0] == before
 
 
+def test_a_table_changed_while_it_is_described_is_described_again():
+    """Another thread changing a dict between the walk's read of its version tag and of its items (simulated at
+    the tag's read): the next check must not keep a description of the items before the change."""
+    import promptstore._live._walk as walk_module
+    from promptstore._live import module_structure, reset_memos
+
+    holder = torch.nn.Linear(2, 2)
+    table = {f"k{i}": i for i in range(16)}
+    holder.table = table
+    real, raced = walk_module._dict_version, []
+
+    def racing(d):
+        if d is table and not raced:
+            raced.append(1)
+            table["k0"] = 99  # lands between the tag's read and the items'
+        return real(d)
+
+    walk_module._dict_version = racing
+    try:
+        module_structure(holder)
+    finally:
+        walk_module._dict_version = real
+    assert raced
+    memoised = module_structure(holder)[0]
+    reset_memos()
+    assert module_structure(holder)[0] == memoised
+
+
+def test_an_objects_dict_replaced_whole_changes_the_identity():
+    from promptstore._live import module_structure
+
+    class Settings:
+        def __init__(self, scale: float) -> None:
+            self.scale = scale
+
+    holder = torch.nn.Linear(2, 2)
+    holder.settings = Settings(2.0)
+    before = module_structure(holder)[0]
+    holder.settings.__dict__ = {"scale": 3.0}  # the old dict is left as it was
+    assert module_structure(holder)[0] != before
+
+
 def test_an_object_with_slots_is_keyed_by_what_they_hold():
     from promptstore._live import module_identity
 

@@ -405,25 +405,41 @@ def grounding(tmp_path_factory=None, seed: int = 0):
     return model, BertTokenizer(str(vocab)), GroundingDinoImageProcessor(size={"shortest_edge": 224, "longest_edge": 224})
 
 
-def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the_plain_call(store):
+def swin_runs(monkeypatch) -> list[int]:
+    """Runs of Swin's embeddings (the start of Grounding DINO's image backbone), counted by their class's forward:
+    a hook on the backbone would make the served pipeline run it once per label, as transformers' does."""
+    from transformers.models.swin.modeling_swin import SwinEmbeddings
+
+    runs: list[int] = []
+    forward = SwinEmbeddings.forward
+
+    def counted(self, *args, **kwargs):
+        runs.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(SwinEmbeddings, "forward", counted)
+    return runs
+
+
+def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the_plain_call(store, monkeypatch):
     model, tokenizer, images = grounding()
-    # One tally (tests/counting.py) counts a row per label the text backbone encodes and one per run of
-    # the image backbone (Swin), which the served call runs once per image, the plain one once per label.
-    text, image = model.model.text_backbone.embeddings, model.model.backbone.conv_encoder.model.swin.embeddings
-    Counting(text), Counting(image)
+    text = model.model.text_backbone.embeddings
+    Counting(text)
+    image = swin_runs(monkeypatch)  # once per label in the plain call, once per image in the served one
     args = dict(model=model, tokenizer=tokenizer, image_processor=images)
     plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
     pics = pictures(2)
     call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
-    with Counting(text) as runs:
-        want = [plain(p, **call) for p in pics]
-    assert runs.rows == 2 * len(pics) * len(LABELS)
+    want = [plain(p, **call) for p in pics]
+    assert len(image) == len(pics) * len(LABELS)
+    image.clear()
     with Counting(text) as runs:
         miss = served(pics[0], **call)
-    assert runs.rows == len(LABELS) + 1
+    assert runs.rows == len(LABELS) and len(image) == 1
+    image.clear()
     with Counting(text) as runs:
         hit = [served(p, **call) for p in pics]
-    assert runs.rows == len(pics)
+    assert runs.rows == 0 and len(image) == len(pics)
     for got, ref in zip([miss, *hit], [want[0], *want], strict=True):
         same_scores(got, ref, atol=1e-5)
     # An edited text weight: another key, every label encoded again, equal to the plain call.
@@ -431,12 +447,57 @@ def test_grounding_dino_serves_its_text_backbone_and_the_fused_result_equals_the
         model.model.text_backbone.embeddings.LayerNorm.bias.add_(0.3)
     with Counting(text) as runs:
         edited = served(pics[0], **call)
-    assert runs.rows == len(LABELS) + 1
+    assert runs.rows == len(LABELS)
     same_scores(edited, plain(pics[0], **call), atol=1e-5)
     # An edit to the image backbone between calls is computed, not reused from an earlier call.
     with torch.no_grad():
         model.model.backbone.conv_encoder.model.swin.embeddings.norm.bias.add_(0.3)
     same_scores(served(pics[0], **call), plain(pics[0], **call), atol=1e-5)
+
+
+def test_grounding_dino_with_a_hook_on_its_image_backbone_runs_it_for_every_label(store):
+    """A hook sees every label's run, as in transformers' pipeline (a stateful hook's output would differ)."""
+    model, tokenizer, images = grounding()
+    seen: list[int] = []
+    model.model.backbone.register_forward_hook(lambda module, args, out: seen.append(1))
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    pic = pictures(1)[0]
+    want = plain(pic, **call)
+    assert len(seen) == len(LABELS)
+    same_scores(served(pic, **call), want, atol=1e-5)
+    assert len(seen) == 2 * len(LABELS)
+
+
+def test_served_detection_from_two_threads_leaves_the_model_whole(store):
+    """Two threads calling one served pipeline: every answer equals the plain call's, and the model's own parts
+    are back in place after (a swap saving another thread's stand-in as the original would leave it there)."""
+    import threading
+
+    model, tokenizer, images = grounding()
+    backbone, tower = model.model.backbone, model.model.text_backbone
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    pics = pictures(2)
+    want = [plain(p, **call) for p in pics]
+    served(pics[0], **call)  # stored: the threads' calls are hits (the text backbone swapped too)
+    got: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        got[i] = [served(pics[i % 2], **call) for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert model.model.backbone is backbone and model.model.text_backbone is tower
+    for i, answers in got.items():
+        for answer in answers:
+            same_scores(answer, want[i % 2], atol=1e-5)
+    same_scores(plain(pics[1], **call), want[1], atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip", "grounding_dino"])

@@ -32,7 +32,9 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 from __future__ import annotations
 
 import functools
+import threading
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -245,12 +247,8 @@ class _TextSide:
         pooled output) or ``hidden`` (every token's hidden state)."""
         owner_path, _, name = self.path.rpartition(".")
         owner = _attr(self.model, owner_path) if owner_path else self.model
-        original = getattr(owner, name)
-        setattr(owner, name, _Served(pooled, hidden))
-        try:
+        with _swapped(self.model, owner, name, lambda original: _Served(pooled, hidden, original)):
             yield
-        finally:
-            setattr(owner, name, original)
 
 
 def _row_names(input_ids: Any, attention_mask: Any | None) -> list[str]:
@@ -291,11 +289,14 @@ def _served_module() -> Any:
     class Served(torch.nn.Module):
         """A text tower's stand-in for one forward: the pooled rows it was given, for exactly that batch."""
 
-        def __init__(self, pooled: Any, hidden: Any) -> None:
+        def __init__(self, pooled: Any, hidden: Any, original: Any) -> None:
             super().__init__()
-            self.pooled, self.hidden = pooled, hidden
+            self.pooled, self.hidden, self.original = pooled, hidden, original
+            self.thread = threading.get_ident()
 
         def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self.thread:  # the model called elsewhere meanwhile: its own tower
+                return self.original(input_ids, *args, **kwargs)
             rows = (self.pooled if self.pooled is not None else self.hidden).shape[0]
             if input_ids is None or input_ids.shape[0] != rows:
                 raise RuntimeError("promptstore: the served text tower was called with another batch")
@@ -304,8 +305,33 @@ def _served_module() -> Any:
     return Served
 
 
-def _Served(pooled: Any, hidden: Any = None) -> Any:  # noqa: N802 - the module class is built on first use (torch lazily)
-    return _served_module()(pooled, hidden)
+def _Served(pooled: Any, hidden: Any, original: Any) -> Any:  # noqa: N802 - the module class is built on first use (torch lazily)
+    return _served_module()(pooled, hidden, original)
+
+
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextmanager
+def _swapped(model: Any, owner: Any, name: str, make: Any) -> Any:
+    """``owner.<name>`` replaced by ``make(original)`` for one forward of ``model``.
+
+    Forwards that replace a part of the same model run one at a time: a second thread's swap would
+    otherwise keep the first's stand-in as the original and put it back for good. The stand-ins
+    answer only their own thread; the model called from another thread meanwhile runs its own part.
+    """
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+    with lock:
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        try:
+            yield
+        finally:
+            setattr(owner, name, original)
 
 
 @functools.cache
@@ -327,6 +353,7 @@ def _backbone_once_module() -> Any:
         def __init__(self, backbone: Any, holder: Any, call: Any) -> None:
             super().__init__()
             self.backbone, self.holder, self.call = backbone, holder, call
+            self.thread = threading.get_ident()
 
         def __getattr__(self, name: str) -> Any:
             try:
@@ -335,6 +362,8 @@ def _backbone_once_module() -> Any:
                 return getattr(self._modules["backbone"], name)
 
         def forward(self, pixel_values: Any, pixel_mask: Any) -> Any:
+            if threading.get_ident() != self.thread:  # the model called elsewhere meanwhile
+                return self.backbone(pixel_values, pixel_mask)
             memo = self.holder._image_memo
             if (memo is not None and memo[0] is self.call and memo[1].shape == pixel_values.shape
                     and memo[2].shape == pixel_mask.shape and torch.equal(memo[1], pixel_values)
@@ -399,6 +428,9 @@ class _Detector:
                     outputs = side.grounded(model_inputs, fingerprint)
                 return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
             output = self._owl(model_inputs, call, fingerprint)
+        except BaseException:
+            self._image_memo = None  # the call is cut short: its image side is not kept
+            raise
         finally:
             if is_last:
                 side.end_call()
@@ -410,13 +442,20 @@ class _Detector:
         """Grounding DINO's image backbone (Swin and its position embeddings: no text enters them) run once
         per ``call``: the call's later labels get copies of its output for the same pixels and mask, as
         transformers' pipeline computes it again for each (1.2 of a 7.5 s forward at 800 x 1066)."""
+        from torch.nn.modules import module as torch_modules
+
         owner = self.model.model  # type: ignore[attr-defined]
-        original = owner.backbone
-        owner.backbone = _BackboneOnce(original, self, call)
-        try:
+        # transformers' own hooks (capturing a layer's output inside the backbone's forward) are replayed with it.
+        hooks = [*torch_modules._global_forward_hooks.values(), *torch_modules._global_forward_pre_hooks.values()]
+        for m in owner.backbone.modules():
+            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        if any(not (getattr(h, "__module__", None) or "").startswith("transformers.") for h in hooks):
+            # A user's hook sees every label's run, as in transformers' pipeline.
             yield
-        finally:
-            owner.backbone = original
+            return
+        with _swapped(self.model, owner, "backbone",  # type: ignore[attr-defined]
+                      lambda original: _BackboneOnce(original, self, call)):
+            yield
 
     def _owl(self, model_inputs: Any, call: Any, fingerprint: str) -> dict[str, Any]:
         """OWL's detection for one label; the image tower runs once per ``call``."""
