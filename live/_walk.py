@@ -551,7 +551,8 @@ class Walk:
             self.reads.attr(v, "__class__", cls)
         d = getattr(v, "__dict__", None)
         if isinstance(d, dict):
-            self.reads.attr(v, "__dict__", d)  # a new dict assigned to ``obj.__dict__`` leaves the old one as it was
+            if id(v) != self.root:  # (as its class: a read of the root would keep it alive)
+                self.reads.attr(v, "__dict__", d)  # a new dict assigned to ``obj.__dict__`` leaves the old one as it was
             fields.update(self.reads.mapping(d))
         for klass in cls.__mro__:
             slots = klass.__dict__.get("__slots__", ())
