@@ -34,7 +34,7 @@ from ._modules import active_dropout, walk_tree
 from ._tokenizers import TOKENIZER_FILES, TOKENIZER_IGNORED, record_tokenizer, tokenizer_files
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["reset_memos", "Identity", "classes_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active",
+__all__ = ["reset_memos", "Identity", "classes_identity", "functions_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active",
            "load_tokenizer"]
 
 
@@ -154,11 +154,7 @@ def classes_identity(*classes: type) -> str:
     Raises:
         UnsupportedModelError: something in them cannot be named.
     """
-    memo = _CLASSES.get(classes)
-    if memo is not None and memo[0].same():
-        return memo[1]
-    walk = Walk(_torch())
-    try:
+    def describe(walk: Walk) -> None:
         for cls in classes:
             for klass in cls.__mro__:
                 if klass.__module__ == "builtins":
@@ -170,11 +166,44 @@ def classes_identity(*classes: type) -> str:
                     if callable(attr) or isinstance(attr, (staticmethod, classmethod, property)):
                         walk.emit(f"method:{name}")
                         walk.callable(attr, f"{klass.__qualname__}.{name}")
+
+    return _code_identity(_CLASSES, classes, "classes", describe)
+
+
+def functions_identity(*functions: Any) -> str:
+    """The live code of functions a computation calls outside the module tree (a model's helper that
+    makes its text side's masks from the ids): each one's code, and what it reads, as bound now.
+
+    Raises:
+        UnsupportedModelError: something in them cannot be named.
+    """
+    def describe(walk: Walk) -> None:
+        for i, fn in enumerate(functions):
+            walk.emit(f"function:{i}")
+            walk.callable(fn, getattr(fn, "__qualname__", repr(fn)))
+
+    if len(_FUNCTIONS) > 256:  # keyed by the functions themselves: a process that patches many keeps few
+        _FUNCTIONS.clear()
+    return _code_identity(_FUNCTIONS, functions, "functions", describe)
+
+
+_FUNCTIONS: dict[tuple[Any, ...], tuple[Any, str]] = {}
+
+
+def _code_identity(memo: dict[Any, tuple[Any, str]], key: tuple[Any, ...], label: str,
+                   describe: Callable[[Walk], None]) -> str:
+    """The digest of what ``describe`` emits, memoised on ``key`` while every read it rests on is unchanged."""
+    known = memo.get(key)
+    if known is not None and known[0].same():
+        return known[1]
+    walk = Walk(_torch())
+    try:
+        describe(walk)
         walk.finish()
     except Unidentifiable as exc:
         raise UnsupportedModelError(f"cannot identify {exc.path} ({exc.what})") from None
-    out = "classes:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
-    _CLASSES[classes] = (walk.reads, out)
+    out = f"{label}:" + xxhash.xxh3_128_hexdigest("\n".join(walk.lines).encode("utf-8", "surrogatepass"))
+    memo[key] = (walk.reads, out)
     return out
 
 
@@ -257,6 +286,7 @@ def reset_memos(digests: bool = True) -> None:
     for memo in (_MEMO, _TOKENIZERS):
         memo._d.clear()
     _CLASSES.clear()
+    _FUNCTIONS.clear()
     with _tokenizers._MEMO_LOCK:
         _tokenizers._MEMO.clear()
     _walk.CODE_MEMO._known.clear()

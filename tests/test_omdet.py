@@ -182,3 +182,42 @@ def test_tenants_never_read_each_others_classes(processor, tmp_path):
         assert {e.key for e in a.ls()}.isdisjoint({e.key for e in b.ls()})
         _, rows = detect(serve_omdet(build(), a), batch)
         assert rows == 0
+
+
+def test_left_padding_is_computed_as_a_fresh_model_computes_it(processor, store):
+    """transformers keys its caches by a row's unmasked ids, but the backbone sees the padded row: with left
+    padding (positions shifted) a row is neither served nor stored, and equals what a fresh model computes."""
+    import copy
+
+    padded = copy.deepcopy(processor)
+    detect(serve_omdet(build(), store), inputs(processor))  # the store holds every row, right-padded
+    padded.tokenizer.padding_side = "left"
+    batch = inputs(padded)
+    want, _ = detect(build(), batch)
+    got, rows = detect(serve_omdet(build(), store), batch)
+    assert rows >= len(CLASSES)
+    same(got, want)
+
+
+def test_a_copy_of_a_served_detector_serves_itself(processor, store):
+    """copy.deepcopy (an EMA copy, say) gives a detector served from the same store, described as the copy: an
+    edit to the copy misses, and the original is unchanged."""
+    import copy
+
+    batch = inputs(processor)
+    model = serve_omdet(build(), store)
+    first, _ = detect(model, batch)
+    twin = copy.deepcopy(model)
+    hit, rows = detect(twin, batch)
+    assert rows == 0
+    same(hit, first)
+    edit(twin)
+    plain = build()
+    plain.load_state_dict(twin.state_dict())
+    want, _ = detect(plain, batch)
+    got, rows = detect(twin, batch)
+    assert rows == len(CLASSES) + 1
+    same(got, want)
+    again, rows = detect(model, batch)
+    assert rows == 0
+    same(again, first)

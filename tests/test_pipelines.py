@@ -555,3 +555,109 @@ def test_tenants_never_read_each_others_labels(task, tokenizers, tmp_path):
         with Counting(tower) as runs:
             pipeline(task, model=model, store=a, **args)(picture, candidate_labels=LABELS)
         assert runs.rows == 0
+
+
+@pytest.mark.parametrize("family,change", [("clip", "padding_side"), ("metaclip_2", "padding_side"),
+                                           ("siglip", "padding_side"), ("siglip", "pad_token"),
+                                           ("siglip2", "pad_token")])
+def test_a_tokenizers_padding_is_part_of_what_names_a_row(family, change, tokenizers, tmp_path):
+    """Left padding shifts a CLIP row's positions; SigLIP pools its last position, a pad: a row stored with
+    one padding is not served to another (a fresh store's answer is the plain one, and so is the warm one)."""
+    import copy
+
+    model, images = classifier(family)
+    Counting(text_tower(model).embeddings)
+    tokenizer = copy.deepcopy(tokenizers["classify"])
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=PromptStore(tmp_path), **args)
+    picture = pictures(1)[0]
+    same_scores(served(picture, candidate_labels=LABELS), plain(picture, candidate_labels=LABELS), atol=1e-5)
+    if change == "padding_side":
+        tokenizer.padding_side = "left"
+    else:
+        tokenizer.pad_token = "<|endoftext|>"
+    want = plain(picture, candidate_labels=LABELS)
+    with Counting(text_tower(model).embeddings) as runs:
+        same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+    assert runs.rows == len(LABELS)
+
+
+def test_a_clip_label_hits_whatever_the_longest_label_of_the_call(tokenizers, store):
+    """Right padding after a CLIP row's end-of-text token changes nothing: a label stored in one call hits in a
+    call whose other labels pad it further."""
+    model, images = classifier("clip")
+    Counting(text_tower(model).embeddings)
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
+    picture = pictures(1)[0]
+    served(picture, candidate_labels=LABELS[:2])
+    longer = [*LABELS[:2], "a person in a hard hat standing beside a red forklift in a warehouse aisle"]
+    with Counting(text_tower(model).embeddings) as runs:
+        got = served(picture, candidate_labels=longer)
+    assert runs.rows == 2  # the new label and one stored label encoded again to check it: the other hits
+    same_scores(got, plain(picture, candidate_labels=longer), atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["hook", "pre_hook", "base_hook", "forward"])
+def test_owl_with_a_users_hook_or_patch_on_the_detectors_forward_equals_the_plain_call(where, tokenizers, store):
+    """The served OWL path calls the detector's parts around its forward: a hook or patch there makes it run the
+    model's own forward (the text tower still served)."""
+    model, images = detector("owlv2")
+    if where == "hook":
+        model.register_forward_hook(lambda module, args, out: (setattr(out, "logits", out.logits * 0.5), out)[1])
+    elif where == "pre_hook":
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: (args, {**kwargs, "pixel_values": kwargs["pixel_values"] * 0.5}),
+            with_kwargs=True)
+    elif where == "base_hook":
+        model.owlv2.register_forward_hook(lambda module, args, out: (setattr(out, "text_embeds", -out.text_embeds), out)[1])
+    else:
+        forward = model.forward
+        model.forward = lambda *a, **k: (lambda out: (setattr(out, "logits", out.logits - 1.0), out)[1])(forward(*a, **k))
+    Counting(model.owlv2.text_model.embeddings)
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    pic = pictures(1)[0]
+    want = plain(pic, **call)
+    same_scores(served(pic, **call), want, atol=1e-5)
+    with Counting(model.owlv2.text_model.embeddings) as runs:
+        same_scores(served(pic, **call), want, atol=1e-5)
+    assert runs.rows == 0  # the text tower is still served
+
+
+def test_grounding_dinos_mask_function_is_part_of_the_text_sides_name(store, monkeypatch):
+    """The text backbone's attention mask and positions come from a function of the model's module: replaced,
+    the stored rows are not served."""
+    import transformers.models.grounding_dino.modeling_grounding_dino as gd
+
+    model, tokenizer, images = grounding()
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    pic = pictures(1)[0]
+    same_scores(served(pic, **call), plain(pic, **call), atol=1e-5)
+    original = gd.generate_masks_with_special_tokens_and_transfer_map
+
+    def attend_everywhere(input_ids, special_tokens):
+        mask, positions = original(input_ids, special_tokens)
+        return torch.ones_like(mask), positions
+
+    monkeypatch.setattr(gd, "generate_masks_with_special_tokens_and_transfer_map", attend_everywhere)
+    same_scores(served(pic, **call), plain(pic, **call), atol=1e-5)
+
+
+def test_a_users_hook_reading_the_text_tower_during_a_served_forward_sees_the_tower(tokenizers, store):
+    """While a served forward runs, its stand-in answers what the tower's attributes are; a state_dict taken
+    meanwhile has the tower's own keys."""
+    model, images = classifier("clip")
+    read: list = []
+    model.register_forward_pre_hook(lambda module, args: read.append(
+        (module.text_model.config.hidden_size, sorted(module.state_dict())[:3])))
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
+    picture = pictures(1)[0]
+    want = plain(picture, candidate_labels=LABELS)
+    same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+    same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+    assert len(read) == 3 and read[1] == read[0] and read[2] == read[0]

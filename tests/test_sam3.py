@@ -193,3 +193,18 @@ def test_tenants_never_read_each_others_prompts(sam3, tmp_path):
             assert rows == 0
     finally:
         del model.set_classes
+
+
+def test_names_and_copies_are_as_ultralytics_leaves_them(sam3, served):
+    """``names`` is the object given (a tuple stays a tuple), and a deep copy of a served model serves itself."""
+    import copy
+
+    prompts = tuple(PROMPTS)
+    want = stock(sam3, list(prompts))
+    served.set_classes(prompts)
+    assert served.names is prompts
+    twin = copy.deepcopy(served)
+    *got, rows = encoded(twin, list(prompts))
+    assert rows == 0
+    same(got, want)
+    assert twin.set_classes.__self__.model is twin

@@ -50,6 +50,9 @@ def serve_omdet(model: Any, store: PromptStore | None = None) -> Any:
         raise UnsupportedModelError("OmDet-Turbo in training mode: call .eval()")
     side = _Backbone(model, store if store is not None else PromptStore())
     capacity = int(model.config.cache_size)
+    # transformers keys its caches by a row's unmasked ids; the backbone sees the whole padded row (no mask
+    # reaches its text model): only padding after the row's own tokens leaves their features unchanged.
+    model._get_cache_key_at_index = _cache_key
     model.language_cache_class = _StoredCache(side, "class", capacity)
     model.language_cache_prompt = _StoredCache(side, "task", capacity)
     # One hook, of the store served now (serve_omdet again: another store replaces the first).
@@ -76,6 +79,17 @@ class _Backbone:
         for cache in (self.model.language_cache_class, self.model.language_cache_prompt):
             if isinstance(cache, _StoredCache):
                 cache.served_now.clear()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Backbone:
+        """A copy of the model serves itself: described as the copy, over the same store (a store is shared,
+        as between processes; its files and connections are not copied)."""
+        import copy
+
+        new = _Backbone.__new__(_Backbone)
+        memo[id(self)] = new
+        new.model, new.store = copy.deepcopy(self.model, memo), self.store
+        new._fingerprint, new.refuted, new.encoded = None, set(), 0
+        return new
 
     def fingerprint(self) -> str:
         if self._fingerprint is None:
@@ -115,6 +129,8 @@ class _StoredCache:
         return Recipes(self.side.store, f"{fp}:{self.which}"), fp
 
     def has(self, key: Any) -> bool:
+        if isinstance(key, _Unkeyed):
+            return False
         recipes, fp = self._recipes()
         if fp in self.side.refuted:
             return False
@@ -136,6 +152,8 @@ class _StoredCache:
         return value
 
     def put(self, key: Any, value: Any) -> None:
+        if isinstance(key, _Unkeyed):
+            return
         recipes, fp = self._recipes()
         if fp in self.side.refuted:
             return
@@ -198,6 +216,22 @@ class _StoredCache:
         self.cache.move_to_end((fp, key))
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
+
+
+class _Unkeyed(tuple):  # type: ignore[type-arg]
+    """A row's unmasked ids where its padding is not after them (left padding): its features depend on the
+    padding, which the ids do not name; never served or stored, computed as a fresh model computes it."""
+
+
+def _cache_key(input_ids: Any, attention_mask: Any, index: int) -> tuple[int, ...]:
+    """transformers' ``_get_cache_key_at_index`` (the row's unmasked ids), an :class:`_Unkeyed` where the
+    padding is not a suffix of the row, or where the class pooling (the row's largest id) could land on a pad."""
+    row, kept = input_ids[index].tolist(), attention_mask[index].tolist()
+    own = sum(1 for m in kept if m)
+    key = tuple(t for t, m in zip(row, kept, strict=True) if m)
+    if own == 0 or not all(kept[:own]) or (row[own:] and max(row[own:]) > max(row[:own])):
+        return _Unkeyed(key)
+    return key
 
 
 def _payload(key: Any) -> str:

@@ -55,7 +55,8 @@ CLASSIFIER_FAMILIES = {"clip": "text_model", "metaclip_2": "text_model", "siglip
 DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model",
                      "grounding-dino": "model.text_backbone"}
 _TASKS = {"zero-shot-image-classification": CLASSIFIER_FAMILIES, "zero-shot-object-detection": DETECTOR_FAMILIES}
-_CALL = "promptstore_call"  # the key preprocess adds to each label's inputs
+_CALL = "promptstore_call"
+_GD_MASKS = "generate_masks_with_special_tokens_and_transfer_map"  # Grounding DINO's text masks and positions  # the key preprocess adds to each label's inputs
 
 
 def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, **kwargs: Any) -> Any:
@@ -127,8 +128,16 @@ class _TextSide:
         # Grounding DINO derives the backbone's attention masks and positions from the ids with these.
         owner_path = self.path.rpartition(".")[0]
         owner = _attr(self.model, owner_path) if owner_path else self.model
-        extra = (f":special={getattr(owner, 'special_tokens', None)!r}:max_text_len={self.model.config.max_text_len}"
-                 if hasattr(owner, "special_tokens") else "")
+        extra = ""
+        if hasattr(owner, "special_tokens"):
+            import sys
+
+            from promptstore._live import functions_identity
+
+            # ... by this function of its module, as the module binds it now (the forward looks it up there).
+            masks = vars(sys.modules[type(owner).__module__]).get(_GD_MASKS)
+            extra = (f":special={getattr(owner, 'special_tokens', None)!r}:max_text_len={self.model.config.max_text_len}"
+                     f":masks={functions_identity(masks) if masks is not None else None}")
         return f"hf-text:{type(self.model).__qualname__}.{self.path}:device={device}:{live}{extra}:{ambient_identity()}"
 
     def call_fingerprint(self, call: Any) -> str:
@@ -167,7 +176,9 @@ class _TextSide:
 
         recipes = Recipes(self.store, fingerprint if fingerprint is not None else self.fingerprint())
         dtype = next(self.tower.parameters()).dtype
-        names = _row_names(input_ids, attention_mask)
+        tower_config = getattr(self.tower, "config", None)
+        names = _row_names(input_ids, attention_mask, self.model.config.model_type in _EOS_POOLED,
+                           getattr(tower_config, "eos_token_id", None))
         found: dict[str, Any] = {}
         for name in dict.fromkeys(names):
             row = _read(self.store.get(recipes.text(name), kind=TEXT_KIND), dtype)
@@ -251,13 +262,37 @@ class _TextSide:
             yield
 
 
-def _row_names(input_ids: Any, attention_mask: Any | None) -> list[str]:
-    """:func:`_row_name` of every row (the ids read once, not one tensor operation per row)."""
+# Towers whose pooled output is one real token's state under a causal mask (CLIP's end-of-text token, found
+# as the row's largest id or its first eos id): with padding after the row's own tokens, and no pad that
+# those rules could pick instead, the padding changes nothing, and a row is named by its own ids (the same
+# label then hits whatever the longest label of the call). Elsewhere (SigLIP pools the last position, a pad;
+# left padding shifts every position) a row is named by the whole padded row and its mask.
+_EOS_POOLED = {"clip", "metaclip_2", "owlvit", "owlv2"}
+
+
+def _row_names(input_ids: Any, attention_mask: Any | None, eos_pooled: bool = False,
+               eos: int | None = None) -> list[str]:
+    """Each row's name in the store: what the tower's pooled output for it depends on (see ``_EOS_POOLED``)."""
     rows = input_ids.tolist()
     if attention_mask is None:
         return ["ids:" + ",".join(map(str, row)) + f"|padded:{len(row)}" for row in rows]
-    return ["ids:" + ",".join(str(t) for t, m in zip(row, kept, strict=True) if m)
-            for row, kept in zip(rows, attention_mask.tolist(), strict=True)]
+    names = []
+    for row, kept in zip(rows, attention_mask.tolist(), strict=True):
+        own = sum(1 for m in kept if m)
+        if eos_pooled and _padding_inert(row, kept, own, eos):
+            names.append("ids:" + ",".join(map(str, row[:own])))
+        else:
+            names.append("ids:" + ",".join(map(str, row)) + "|mask:" + "".join("1" if m else "0" for m in kept))
+    return names
+
+
+def _padding_inert(row: list[int], kept: list[Any], own: int, eos: int | None) -> bool:
+    """Whether an eos-pooled tower's output for ``row`` is that of its first ``own`` tokens alone: the mask
+    keeps exactly those, and neither pooling rule (largest id; first ``eos``) can land on a pad."""
+    if own == 0 or not all(kept[:own]) or (eos is not None and not isinstance(eos, int)):
+        return False  # padding before or between the row's own tokens; several eos ids: not reasoned about
+    pads, real = row[own:], row[:own]
+    return not pads or (max(pads) <= max(real) and (eos is None or eos == 2 or eos in real))
 
 
 def _row_name(ids: Any, mask: Any | None) -> str:
@@ -293,6 +328,15 @@ def _served_module() -> Any:
             super().__init__()
             self.pooled, self.hidden, self.original = pooled, hidden, original
             self.thread = threading.get_ident()
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:  # what a user's hook reads of the tower during the forward (its config, norms)
+                return getattr(self._modules["original"], name)
+
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # the model saved meanwhile: the tower's own keys
+            return self.get_submodule("original").state_dict(*args, **kwargs)
 
         def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != self.thread:  # the model called elsewhere meanwhile: its own tower
@@ -361,6 +405,9 @@ def _backbone_once_module() -> Any:
             except AttributeError:  # what the model reads of its backbone besides the call (position_embedding)
                 return getattr(self._modules["backbone"], name)
 
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # the model saved meanwhile: the backbone's own keys
+            return self.get_submodule("backbone").state_dict(*args, **kwargs)
+
         def forward(self, pixel_values: Any, pixel_mask: Any) -> Any:
             if threading.get_ident() != self.thread:  # the model called elsewhere meanwhile
                 return self.backbone(pixel_values, pixel_mask)
@@ -378,6 +425,25 @@ def _backbone_once_module() -> Any:
 
 def _BackboneOnce(backbone: Any, holder: Any, call: Any) -> Any:  # noqa: N802 - as _Served
     return _backbone_once_module()(backbone, holder, call)
+
+
+def _owl_forward_is_stock(model: Any, base: Any) -> bool:
+    """Whether an OWL detector's forward is transformers' own, with no hook or patch of anyone's on what the
+    served path calls around (the detector's and its base model's forward, ``image_text_embedder``), and no
+    global module hook (it would see the calls the path skips)."""
+    import torch
+    from torch.nn.modules import module as torch_modules
+
+    if torch_modules._global_forward_hooks or torch_modules._global_forward_pre_hooks:
+        return False
+    for m, methods in ((model, ("forward", "image_text_embedder", "image_embedder")), (base, ("forward",))):
+        if m._forward_hooks or m._forward_pre_hooks or type(m).__call__ is not torch.nn.Module.__call__:
+            return False
+        for name in methods:
+            if name in vars(m) or not (getattr(getattr(type(m), name, None), "__module__", None) or "").startswith(
+                    "transformers."):
+                return False
+    return True
 
 
 class _Classifier:
@@ -467,6 +533,11 @@ class _Detector:
         pixel_values = model_inputs["pixel_values"]
         pooled = side.pooled(input_ids, mask, fingerprint)
         base = _attr(model, side.path.rpartition(".")[0])
+        if not _owl_forward_is_stock(model, base):
+            # The user's hook or patch is on what the path below goes around: the detector's own forward runs
+            # (its image tower for every label, as in transformers' pipeline), only the text tower served.
+            with torch.no_grad(), side.serving(pooled):
+                return dict(model(**model_inputs))
         with torch.no_grad():
             query = base.text_projection(pooled)
             # The detector's own normalisation (OwlViTModel / Owlv2Model.forward).

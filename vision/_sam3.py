@@ -60,6 +60,17 @@ class _Sam3Text:
         self.model, self.store = model, store
         self.encoded = 0  # prompts the text encoder ran on (checks included)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Sam3Text:
+        """A copy of the model serves itself: described as the copy, over the same store (a store is shared,
+        as between processes; its files and connections are not copied)."""
+        import copy
+
+        new = _Sam3Text.__new__(_Sam3Text)
+        memo[id(self)] = new
+        new.model, new.store = copy.deepcopy(self.model, memo), self.store
+        new.encoded = 0
+        return new
+
     def fingerprint(self) -> str:
         from promptstore._live import ambient_identity, module_identity
 
@@ -109,7 +120,7 @@ class _Sam3Text:
             "language_mask": torch.stack([found[n]["language_mask"] for n in names], 0).to(device),
             "language_embeds": torch.stack([found[n]["language_embeds"] for n in names], 1).to(device),
         }
-        self.model.names = list(text) if not isinstance(text, str) else text
+        self.model.names = text if isinstance(text, (list, tuple, str)) else names  # as set_classes leaves it
 
     def _encode(self, names: list[str]) -> list[dict[str, Any]]:
         """``forward_text`` over ``names`` now, split per prompt (CPU tensors)."""
