@@ -171,8 +171,9 @@ def test_a_stored_prompt_that_differs_from_the_encoder_now_is_not_served(sam3, s
 
 
 def test_bad_input_is_refused_before_any_work(sam3, served, store):
-    with pytest.raises(InvalidInputError):
-        served.set_classes("a forklift")  # a string, not a list of prompts
+    for bad in ([], ["a forklift", 3], "\ud800", None):
+        with pytest.raises(InvalidInputError):
+            served.set_classes(bad)
     with pytest.raises(InvalidInputError):
         serve_sam3(torch.nn.Linear(2, 2), store)
     assert store.ls() == []
@@ -208,3 +209,16 @@ def test_names_and_copies_are_as_ultralytics_leaves_them(sam3, served):
     assert rows == 0
     same(got, want)
     assert twin.set_classes.__self__.model is twin
+
+
+@pytest.mark.parametrize("prompts", ["a forklift", ["a pallet", "a pallet", ""], ["a\tforklift", "a pallet\n"]])
+def test_text_ultralytics_encodes_is_served_as_it_encodes_it(sam3, served, prompts):
+    """A string is one prompt; duplicates, empty prompts and control characters are encoded as ultralytics does."""
+    model, set_classes = sam3
+    set_classes(prompts)
+    want = ({k: v.clone() for k, v in model.text_embeddings.items()}, model.names)
+    served.set_classes(prompts)
+    *got, rows = encoded(served, prompts)
+    assert rows == 0
+    assert served.names == want[1] and type(served.names) is type(prompts)
+    same((got[0], want[1]), want)

@@ -24,7 +24,7 @@ import numpy as np
 from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
-from ._classes import TEXT_KIND, Recipes, check_names, describe_ahead
+from ._classes import TEXT_KIND, Recipes, describe_ahead
 from ._verify import Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
@@ -84,7 +84,7 @@ class _Sam3Text:
         """``SAM3SemanticModel.set_classes``: ``text_embeddings`` and ``names`` for ``text``, from the store."""
         import torch
 
-        names = check_names(list(text) if not isinstance(text, str) else text)
+        names = _prompts(text)
         recipes = Recipes(self.store, self.fingerprint())
         dtype = self.model.backbone.language_backbone.resizer.weight.dtype
         found: dict[str, dict[str, Any]] = {}
@@ -120,7 +120,7 @@ class _Sam3Text:
             "language_mask": torch.stack([found[n]["language_mask"] for n in names], 0).to(device),
             "language_embeds": torch.stack([found[n]["language_embeds"] for n in names], 1).to(device),
         }
-        self.model.names = text if isinstance(text, (list, tuple, str)) else names  # as set_classes leaves it
+        self.model.names = text  # as ultralytics' set_classes leaves it (a tuple stays one, a string too)
 
     def _encode(self, names: list[str]) -> list[dict[str, Any]]:
         """``forward_text`` over ``names`` now, split per prompt (CPU tensors)."""
@@ -132,6 +132,24 @@ class _Sam3Text:
         return [{"language_features": out["language_features"][:, i].detach().cpu(),
                  "language_mask": out["language_mask"][i].detach().cpu(),
                  "language_embeds": out["language_embeds"][:, i].detach().cpu()} for i in range(len(names))]
+
+
+def _prompts(text: Any) -> list[str]:
+    """The prompts ``set_classes`` encodes: a string is one prompt, as ultralytics' tokenizer takes it; any text
+    it encodes is served (duplicates, empty strings, control characters: each prompt is keyed by its own text).
+
+    Raises:
+        InvalidInputError: not a string or a non-empty sequence of strings, or text that is not valid Unicode.
+    """
+    prompts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else None
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise InvalidInputError(f"SAM 3 prompts must be a string or a non-empty list of strings, got {text!r}")
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"SAM 3 prompt {p!r} is not valid Unicode (a lone surrogate)") from None
+    return prompts
 
 
 def _read(entry: Any, dtype: Any) -> dict[str, Any] | None:
