@@ -236,26 +236,31 @@ def test_a_new_process_store_serves_every_label(tokenizers, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["owlv2", "owlvit"])
-def test_zero_shot_detection_equals_transformers_and_runs_the_image_tower_once_per_image(family, tokenizers, store):
+def test_zero_shot_detection_equals_transformers_and_runs_the_image_tower_once_per_image(
+        family, tokenizers, store, monkeypatch):
     model, images = detector(family)
     base = model.owlv2 if family == "owlv2" else model.owlvit
     Counting(base.text_model.embeddings)
-    Counting(base.vision_model.embeddings)
+    # Image-tower runs counted by its embeddings' class (a hook on the image side would make the served
+    # pipeline run it once per label, as transformers' does: a hook might count on that).
+    image, embeddings = [], type(base.vision_model.embeddings)
+    forward = embeddings.forward
+    monkeypatch.setattr(embeddings, "forward", lambda self, *a, **k: (image.append(1), forward(self, *a, **k))[1])
     args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
     plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
     pics = pictures(2)
     call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
-    # One tally counts both towers' rows (tests/counting.py): a text row per label encoded, an image
-    # row per image-tower run.
-    with Counting(base.vision_model.embeddings) as rows:
+    with Counting(base.text_model.embeddings) as text:
         want = [plain(p, **call) for p in pics]
-    assert rows.rows == 2 * len(pics) * len(LABELS)  # transformers: both towers once per label
-    with Counting(base.vision_model.embeddings) as rows:
+    assert text.rows == len(pics) * len(LABELS) and len(image) == len(pics) * len(LABELS)  # both once per label
+    image.clear()
+    with Counting(base.text_model.embeddings) as text:
         miss = [served(p, **call) for p in pics]
-    assert rows.rows == len(pics) + len(LABELS)  # each label encoded once, each image once
-    with Counting(base.vision_model.embeddings) as rows:
+    assert text.rows == len(LABELS) and len(image) == len(pics)  # each label encoded once, each image once
+    image.clear()
+    with Counting(base.text_model.embeddings) as text:
         hit = served(pics[0], **call)
-    assert rows.rows == 1  # the image, and no text
+    assert text.rows == 0 and len(image) == 1  # the image, and no text
     for got, ref in zip([*miss, hit], [*want, want[0]], strict=True):
         same_scores(got, ref, atol=1e-5)
 
@@ -647,6 +652,14 @@ def test_grounding_dinos_mask_function_is_part_of_the_text_sides_name(store, mon
     same_scores(served(pic, **call), plain(pic, **call), atol=1e-5)
 
 
+def served_and_plain(model, images, tokenizers, store):
+    """A served classification pipeline of ``model``, a picture, and the plain pipeline's answer on it."""
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
+    picture = pictures(1)[0]
+    return served, picture, plain(picture, candidate_labels=LABELS)
+
+
 def test_a_users_hook_reading_the_text_tower_during_a_served_forward_sees_the_tower(tokenizers, store):
     """While a served forward runs, its stand-in answers what the tower's attributes are; a state_dict taken
     meanwhile has the tower's own keys."""
@@ -654,10 +667,86 @@ def test_a_users_hook_reading_the_text_tower_during_a_served_forward_sees_the_to
     read: list = []
     model.register_forward_pre_hook(lambda module, args: read.append(
         (module.text_model.config.hidden_size, sorted(module.state_dict())[:3])))
-    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
-    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
-    picture = pictures(1)[0]
-    want = plain(picture, candidate_labels=LABELS)
+    served, picture, want = served_and_plain(model, images, tokenizers, store)
     same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
     same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
     assert len(read) == 3 and read[1] == read[0] and read[2] == read[0]
+
+
+def test_a_row_is_named_by_its_own_ids_only_where_the_towers_pooling_cannot_reach_a_pad():
+    """MetaCLIP 2 pools the first eos id whatever it is (no largest-id rule, unlike CLIP with the legacy eos 2):
+    a row without one, padded with it, pools a pad, so its padding names it."""
+    from transformers import MetaClip2TextConfig, MetaClip2TextModel
+
+    torch.manual_seed(0)
+    tower = MetaClip2TextModel(MetaClip2TextConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16, eos_token_id=2, pad_token_id=2, bos_token_id=0)).eval()
+    own = [0, 50, 51, 52]
+    alone, padded = torch.tensor([own]), torch.tensor([own + [2, 2]])
+    alone_mask, padded_mask = torch.ones_like(alone), torch.tensor([[1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        differ = (tower(input_ids=alone, attention_mask=alone_mask).pooler_output
+                  - tower(input_ids=padded, attention_mask=padded_mask).pooler_output).abs().max().item() > 1e-3
+    pooling = pipelines_module._EOS_POOLED["metaclip_2"]
+    same_name = (pipelines_module._row_names(alone, alone_mask, pooling, 2)
+                 == pipelines_module._row_names(padded, padded_mask, pooling, 2))
+    assert differ and not same_name
+    # With its eos among its own tokens the padding changes nothing, and the row is named by its own ids.
+    ended = own + [2]
+    assert (pipelines_module._row_names(torch.tensor([ended]), torch.ones(1, 5, dtype=torch.long), pooling, 2)
+            == pipelines_module._row_names(torch.tensor([ended + [2]]), torch.tensor([[1] * 5 + [0]]), pooling, 2))
+
+
+def test_a_users_hook_that_rewrites_the_text_inputs_is_served_what_the_tower_computes_for_them(tokenizers, store):
+    """A pre-hook that changes the ids the model gets: the stand-in, made for the pipeline's ids, runs the tower."""
+    model, images = classifier("clip")
+
+    def reverse(module, args, kwargs):
+        ids = kwargs["input_ids"].clone()
+        ids[:, 1:3] = ids[:, 1:3].flip(-1)
+        return args, {**kwargs, "input_ids": ids}
+
+    model.register_forward_pre_hook(reverse, with_kwargs=True)
+    served, picture, want = served_and_plain(model, images, tokenizers, store)
+    same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+    same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["wrapped_forward", "vision_hook"])
+def test_owl_with_a_wrapped_class_forward_or_a_stateful_image_side_hook_equals_the_plain_call(
+        where, tokenizers, store, monkeypatch):
+    """A class patch made with functools.wraps keeps transformers' __module__; a hook on the image tower sees
+    it run once per label in transformers' pipeline: both make the detector's own forward run per label."""
+    import functools
+
+    model, images = detector("owlv2")
+    if where == "wrapped_forward":
+        forward = Owlv2ForObjectDetection.forward
+
+        @functools.wraps(forward)
+        def halved(self, *a, **k):
+            out = forward(self, *a, **k)
+            out.logits = out.logits * 0.5
+            return out
+
+        monkeypatch.setattr(Owlv2ForObjectDetection, "forward", halved)
+    else:
+        calls = [0]
+
+        def drift(module, args, out):
+            calls[0] += 1
+            out.last_hidden_state[..., 0] += 0.5 * calls[0]  # one channel: a norm after it does not undo it
+
+        model.owlv2.vision_model.register_forward_hook(drift)
+    args = dict(model=model, tokenizer=tokenizers["detect"], image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    call = dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    pic = pictures(1)[0]
+    if where == "vision_hook":
+        calls[0] = 0
+        want = plain(pic, **call)
+        calls[0] = 0
+        same_scores(served(pic, **call), want, atol=1e-5)
+    else:
+        same_scores(served(pic, **call), plain(pic, **call), atol=1e-5)

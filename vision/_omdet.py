@@ -88,7 +88,7 @@ class _Backbone:
         new = _Backbone.__new__(_Backbone)
         memo[id(self)] = new
         new.model, new.store = copy.deepcopy(self.model, memo), self.store
-        new._fingerprint, new.refuted, new.encoded = None, set(), 0
+        new._fingerprint, new.refuted, new.encoded = None, set(self.refuted), 0  # refuted keys stay refuted
         return new
 
     def fingerprint(self) -> str:

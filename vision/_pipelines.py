@@ -31,6 +31,7 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 
 from __future__ import annotations
 
+import os
 import functools
 import threading
 import time
@@ -55,8 +56,8 @@ CLASSIFIER_FAMILIES = {"clip": "text_model", "metaclip_2": "text_model", "siglip
 DETECTOR_FAMILIES = {"owlvit": "owlvit.text_model", "owlv2": "owlv2.text_model",
                      "grounding-dino": "model.text_backbone"}
 _TASKS = {"zero-shot-image-classification": CLASSIFIER_FAMILIES, "zero-shot-object-detection": DETECTOR_FAMILIES}
-_CALL = "promptstore_call"
-_GD_MASKS = "generate_masks_with_special_tokens_and_transfer_map"  # Grounding DINO's text masks and positions  # the key preprocess adds to each label's inputs
+_CALL = "promptstore_call"  # the key preprocess adds to each label's inputs
+_GD_MASKS = "generate_masks_with_special_tokens_and_transfer_map"  # Grounding DINO's text masks and positions
 
 
 def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, **kwargs: Any) -> Any:
@@ -176,9 +177,11 @@ class _TextSide:
 
         recipes = Recipes(self.store, fingerprint if fingerprint is not None else self.fingerprint())
         dtype = next(self.tower.parameters()).dtype
-        tower_config = getattr(self.tower, "config", None)
-        names = _row_names(input_ids, attention_mask, self.model.config.model_type in _EOS_POOLED,
-                           getattr(tower_config, "eos_token_id", None))
+        family = self.model.config.model_type
+        eos = getattr(getattr(self.tower, "config", None), "eos_token_id", None)
+        # CLIP's text transformer pools the largest id where its config's eos id is the legacy 2.
+        pooling = "argmax" if family == "clip" and eos == 2 else _EOS_POOLED.get(family)
+        names = _row_names(input_ids, attention_mask, pooling, eos)
         found: dict[str, Any] = {}
         for name in dict.fromkeys(names):
             row = _read(self.store.get(recipes.text(name), kind=TEXT_KIND), dtype)
@@ -229,7 +232,7 @@ class _TextSide:
         hidden = _read(entry, dtype, ndim=2)
         if hidden is not None:
             self.served += 1
-            with torch.no_grad(), self.serving(hidden=hidden[None].to(ids.device)):
+            with torch.no_grad(), self.serving(hidden=hidden[None].to(ids.device), ids=ids, types=types):
                 return self.model(**model_inputs)
         seen: list[Any] = []
         handle = self.tower.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
@@ -253,12 +256,14 @@ class _TextSide:
             return self.tower(input_ids=input_ids, return_dict=True, **kwargs).pooler_output
 
     @contextmanager
-    def serving(self, pooled: Any = None, hidden: Any = None) -> Any:
+    def serving(self, pooled: Any = None, hidden: Any = None, *, ids: Any, mask: Any = None, types: Any = None) -> Any:
         """The model's text tower replaced, for one forward, by one that returns ``pooled`` (its
-        pooled output) or ``hidden`` (every token's hidden state)."""
+        pooled output) or ``hidden`` (every token's hidden state), computed from ``ids`` (and ``mask``,
+        ``types``): called with other inputs (a user's hook changed them), the tower itself runs."""
         owner_path, _, name = self.path.rpartition(".")
         owner = _attr(self.model, owner_path) if owner_path else self.model
-        with _swapped(self.model, owner, name, lambda original: _Served(pooled, hidden, original)):
+        with _swapped(self.model, owner, name,
+                      lambda original: _Served(pooled, hidden, original, (ids, mask, types))):
             yield
 
 
@@ -267,10 +272,10 @@ class _TextSide:
 # those rules could pick instead, the padding changes nothing, and a row is named by its own ids (the same
 # label then hits whatever the longest label of the call). Elsewhere (SigLIP pools the last position, a pad;
 # left padding shifts every position) a row is named by the whole padded row and its mask.
-_EOS_POOLED = {"clip", "metaclip_2", "owlvit", "owlv2"}
+_EOS_POOLED = {"clip": "eos", "metaclip_2": "eos", "owlvit": "argmax", "owlv2": "argmax"}  # how each pools
 
 
-def _row_names(input_ids: Any, attention_mask: Any | None, eos_pooled: bool = False,
+def _row_names(input_ids: Any, attention_mask: Any | None, pooling: str | None = None,
                eos: int | None = None) -> list[str]:
     """Each row's name in the store: what the tower's pooled output for it depends on (see ``_EOS_POOLED``)."""
     rows = input_ids.tolist()
@@ -279,20 +284,25 @@ def _row_names(input_ids: Any, attention_mask: Any | None, eos_pooled: bool = Fa
     names = []
     for row, kept in zip(rows, attention_mask.tolist(), strict=True):
         own = sum(1 for m in kept if m)
-        if eos_pooled and _padding_inert(row, kept, own, eos):
+        if pooling is not None and _padding_inert(row, kept, own, pooling, eos):
             names.append("ids:" + ",".join(map(str, row[:own])))
         else:
             names.append("ids:" + ",".join(map(str, row)) + "|mask:" + "".join("1" if m else "0" for m in kept))
     return names
 
 
-def _padding_inert(row: list[int], kept: list[Any], own: int, eos: int | None) -> bool:
+def _padding_inert(row: list[int], kept: list[Any], own: int, pooling: str, eos: Any) -> bool:
     """Whether an eos-pooled tower's output for ``row`` is that of its first ``own`` tokens alone: the mask
-    keeps exactly those, and neither pooling rule (largest id; first ``eos``) can land on a pad."""
-    if own == 0 or not all(kept[:own]) or (eos is not None and not isinstance(eos, int)):
-        return False  # padding before or between the row's own tokens; several eos ids: not reasoned about
+    keeps exactly those, and the pooling rule cannot land on a pad. ``argmax``: the row's first largest id
+    (OWL; CLIP configs whose eos id is the legacy 2); ``eos``: the first ``eos`` id."""
+    if own == 0 or not all(kept[:own]):
+        return False  # padding before or between the row's own tokens
     pads, real = row[own:], row[:own]
-    return not pads or (max(pads) <= max(real) and (eos is None or eos == 2 or eos in real))
+    if not pads:
+        return True
+    if pooling == "argmax":
+        return max(pads) <= max(real)
+    return isinstance(eos, int) and eos in real
 
 
 def _row_name(ids: Any, mask: Any | None) -> str:
@@ -324,10 +334,12 @@ def _served_module() -> Any:
     class Served(torch.nn.Module):
         """A text tower's stand-in for one forward: the pooled rows it was given, for exactly that batch."""
 
-        def __init__(self, pooled: Any, hidden: Any, original: Any) -> None:
+        def __init__(self, pooled: Any, hidden: Any, original: Any, inputs: tuple[Any, Any, Any]) -> None:
             super().__init__()
             self.pooled, self.hidden, self.original = pooled, hidden, original
+            self.inputs = inputs  # (input_ids, attention_mask, token_type_ids) the rows were made from
             self.thread = threading.get_ident()
+            self.training = original.training  # as read by a hook (not train(): that would set the tower's own parts)
 
         def __getattr__(self, name: str) -> Any:
             try:
@@ -339,18 +351,36 @@ def _served_module() -> Any:
             return self.get_submodule("original").state_dict(*args, **kwargs)
 
         def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self.thread:  # the model called elsewhere meanwhile: its own tower
+            if threading.get_ident() != self.thread or not self._as_made(input_ids, args, kwargs):
+                # The model called elsewhere meanwhile, or with inputs a hook changed: its own tower.
                 return self.original(input_ids, *args, **kwargs)
             rows = (self.pooled if self.pooled is not None else self.hidden).shape[0]
             if input_ids is None or input_ids.shape[0] != rows:
                 raise RuntimeError("promptstore: the served text tower was called with another batch")
             return BaseModelOutputWithPooling(last_hidden_state=self.hidden, pooler_output=self.pooled)
 
+        def _as_made(self, input_ids: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            """Whether the tower is asked for what the served rows were made from: the same ids, and the same
+            attention mask and token types where those named the rows; no position ids of the caller's."""
+            ids, mask, types = self.inputs
+            if input_ids is None or input_ids.shape != ids.shape or not torch.equal(input_ids, ids.to(input_ids.device)):
+                return False
+            if self.pooled is not None:  # a pooling tower, called with keywords (CLIP, SigLIP, OWL)
+                got = kwargs.get("attention_mask")
+                if kwargs.get("position_ids") is not None or (got is None) != (mask is None) or (
+                        got is not None and (got.shape != mask.shape or not torch.equal(got, mask.to(got.device)))):
+                    return False
+            elif types is not None:  # Grounding DINO's text backbone: (ids, masks, token types, positions)
+                got = args[1] if len(args) > 1 else kwargs.get("token_type_ids")
+                if got is None or got.shape != types.shape or not torch.equal(got, types.to(got.device)):
+                    return False
+            return True
+
     return Served
 
 
-def _Served(pooled: Any, hidden: Any, original: Any) -> Any:  # noqa: N802 - the module class is built on first use (torch lazily)
-    return _served_module()(pooled, hidden, original)
+def _Served(pooled: Any, hidden: Any, original: Any, inputs: tuple[Any, Any, Any]) -> Any:  # noqa: N802 - the module class is built on first use (torch lazily)
+    return _served_module()(pooled, hidden, original, inputs)
 
 
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
@@ -427,22 +457,41 @@ def _BackboneOnce(backbone: Any, holder: Any, call: Any) -> Any:  # noqa: N802 -
     return _backbone_once_module()(backbone, holder, call)
 
 
-def _owl_forward_is_stock(model: Any, base: Any) -> bool:
+def _owl_forward_is_stock(model: Any, base: Any, tower: Any) -> bool:
     """Whether an OWL detector's forward is transformers' own, with no hook or patch of anyone's on what the
-    served path calls around (the detector's and its base model's forward, ``image_text_embedder``), and no
-    global module hook (it would see the calls the path skips)."""
+    served path calls around (the detector's and its base model's forward, ``image_text_embedder``) or runs
+    fewer times (the image side: once per call, not once per label), and no global module hook."""
     import torch
     from torch.nn.modules import module as torch_modules
 
     if torch_modules._global_forward_hooks or torch_modules._global_forward_pre_hooks:
         return False
     for m, methods in ((model, ("forward", "image_text_embedder", "image_embedder")), (base, ("forward",))):
-        if m._forward_hooks or m._forward_pre_hooks or type(m).__call__ is not torch.nn.Module.__call__:
+        if type(m).__call__ is not torch.nn.Module.__call__:
             return False
         for name in methods:
-            if name in vars(m) or not (getattr(getattr(type(m), name, None), "__module__", None) or "").startswith(
-                    "transformers."):
+            if name in vars(m) or not _transformers_code(getattr(type(m), name, None)):
                 return False
+    inside = {id(m) for m in tower.modules()}  # the text tower's own hooks are part of its live identity
+    for m in model.modules():
+        if id(m) not in inside and any(not (getattr(h, "__module__", None) or "").startswith("transformers.")
+                                       for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]):
+            return False
+    return True
+
+
+def _transformers_code(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function of transformers' own source files, as is everything it wraps (a
+    wrapper made with ``functools.wraps`` or wrapt elsewhere takes the wrapped function's ``__module__``)."""
+    import types
+
+    import transformers
+
+    root = os.path.dirname(transformers.__file__) + os.sep
+    while fn is not None:
+        if type(fn) is not types.FunctionType or not fn.__code__.co_filename.startswith(root):
+            return False
+        fn = getattr(fn, "__wrapped__", None)
     return True
 
 
@@ -459,7 +508,7 @@ class _Classifier:
         text_inputs = text_inputs[0] if isinstance(text_inputs[0], UserDict) else text_inputs[0][0]
         side = self._promptstore
         pooled = side.pooled(text_inputs["input_ids"], text_inputs.get("attention_mask"))
-        with side.serving(pooled):
+        with side.serving(pooled, ids=text_inputs["input_ids"], mask=text_inputs.get("attention_mask")):
             outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]
         return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
 
@@ -533,10 +582,10 @@ class _Detector:
         pixel_values = model_inputs["pixel_values"]
         pooled = side.pooled(input_ids, mask, fingerprint)
         base = _attr(model, side.path.rpartition(".")[0])
-        if not _owl_forward_is_stock(model, base):
+        if not _owl_forward_is_stock(model, base, side.tower):
             # The user's hook or patch is on what the path below goes around: the detector's own forward runs
             # (its image tower for every label, as in transformers' pipeline), only the text tower served.
-            with torch.no_grad(), side.serving(pooled):
+            with torch.no_grad(), side.serving(pooled, ids=input_ids, mask=mask):
                 return dict(model(**model_inputs))
         with torch.no_grad():
             query = base.text_projection(pooled)
