@@ -27,6 +27,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
+from ._pipelines import _padding_inert
 from ._verify import Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
@@ -227,11 +228,8 @@ def _cache_key(input_ids: Any, attention_mask: Any, index: int) -> tuple[int, ..
     """transformers' ``_get_cache_key_at_index`` (the row's unmasked ids), an :class:`_Unkeyed` where the
     padding is not a suffix of the row, or where the class pooling (the row's largest id) could land on a pad."""
     row, kept = input_ids[index].tolist(), attention_mask[index].tolist()
-    own = sum(1 for m in kept if m)
     key = tuple(t for t, m in zip(row, kept, strict=True) if m)
-    if own == 0 or not all(kept[:own]) or (row[own:] and max(row[own:]) > max(row[:own])):
-        return _Unkeyed(key)
-    return key
+    return key if _padding_inert(row, kept, len(key), "argmax", None) else _Unkeyed(key)
 
 
 def _payload(key: Any) -> str:

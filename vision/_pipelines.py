@@ -31,8 +31,9 @@ model's. A forward that runs the tower anyway re-encodes one stored label in its
 
 from __future__ import annotations
 
-import os
 import functools
+import os
+import sys
 import threading
 import time
 import weakref
@@ -131,8 +132,6 @@ class _TextSide:
         owner = _attr(self.model, owner_path) if owner_path else self.model
         extra = ""
         if hasattr(owner, "special_tokens"):
-            import sys
-
             from promptstore._live import functions_identity
 
             # ... by this function of its module, as the module binds it now (the forward looks it up there).
@@ -462,9 +461,8 @@ def _owl_forward_is_stock(model: Any, base: Any, tower: Any) -> bool:
     served path calls around (the detector's and its base model's forward, ``image_text_embedder``) or runs
     fewer times (the image side: once per call, not once per label), and no global module hook."""
     import torch
-    from torch.nn.modules import module as torch_modules
 
-    if torch_modules._global_forward_hooks or torch_modules._global_forward_pre_hooks:
+    if _hooks((), global_too=True):
         return False
     for m, methods in ((model, ("forward", "image_text_embedder", "image_embedder")), (base, ("forward",))):
         if type(m).__call__ is not torch.nn.Module.__call__:
@@ -473,11 +471,23 @@ def _owl_forward_is_stock(model: Any, base: Any, tower: Any) -> bool:
             if name in vars(m) or not _transformers_code(getattr(type(m), name, None)):
                 return False
     inside = {id(m) for m in tower.modules()}  # the text tower's own hooks are part of its live identity
-    for m in model.modules():
-        if id(m) not in inside and any(not (getattr(h, "__module__", None) or "").startswith("transformers.")
-                                       for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]):
-            return False
-    return True
+    return not _users_hook(_hooks(m for m in model.modules() if id(m) not in inside))
+
+
+def _hooks(modules: Any, global_too: bool = False) -> list[Any]:
+    """The forward hooks and pre-hooks of ``modules`` (and, with ``global_too``, the global module hooks)."""
+    from torch.nn.modules import module as torch_modules
+
+    hooks = ([*torch_modules._global_forward_hooks.values(), *torch_modules._global_forward_pre_hooks.values()]
+             if global_too else [])
+    for m in modules:
+        hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return hooks
+
+
+def _users_hook(hooks: list[Any]) -> bool:
+    """Whether any of ``hooks`` is someone's other than transformers' own."""
+    return any(not (getattr(h, "__module__", None) or "").startswith("transformers.") for h in hooks)
 
 
 def _transformers_code(fn: Any) -> bool:
@@ -557,14 +567,9 @@ class _Detector:
         """Grounding DINO's image backbone (Swin and its position embeddings: no text enters them) run once
         per ``call``: the call's later labels get copies of its output for the same pixels and mask, as
         transformers' pipeline computes it again for each (1.2 of a 7.5 s forward at 800 x 1066)."""
-        from torch.nn.modules import module as torch_modules
-
         owner = self.model.model  # type: ignore[attr-defined]
         # transformers' own hooks (capturing a layer's output inside the backbone's forward) are replayed with it.
-        hooks = [*torch_modules._global_forward_hooks.values(), *torch_modules._global_forward_pre_hooks.values()]
-        for m in owner.backbone.modules():
-            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-        if any(not (getattr(h, "__module__", None) or "").startswith("transformers.") for h in hooks):
+        if _users_hook(_hooks(owner.backbone.modules(), global_too=True)):
             # A user's hook sees every label's run, as in transformers' pipeline.
             yield
             return
