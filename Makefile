@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check -q
+# No pip cache: a fresh machine's disk holds the installed packages only (torch's CUDA build alone is about 5.5 GB;
+# a cache would keep a second copy of its downloads).
+PIP := $(PY) -m pip --disable-pip-version-check --no-cache-dir -q
 TORCH := torch==2.14.1 torchvision==0.29.1
 LLAMA_CPP := llama-cpp-python==0.3.36
 # llama-cpp-python is built from source (about 6 minutes on 2 cores) into a wheel once per machine
@@ -60,14 +62,14 @@ vllm-venv: $(VLLM_VENV)/.built $(VLLM_VENV)/.redis
 $(VLLM_VENV)/.built:
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(VLLM)" "xxhash>=3.0" "platformdirs>=3.0"
-	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check --no-cache-dir -q install "$(VLLM)" "xxhash>=3.0" "platformdirs>=3.0"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check --no-cache-dir -q uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, xxhash, platformdirs"
 	touch $@
 
 # redis-py for the connector's Redis tiers: a step of its own, so that a package added here never rebuilds vLLM.
 $(VLLM_VENV)/.redis: $(VLLM_VENV)/.built
-	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "redis>=5.0" "hiredis>=2.0"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check --no-cache-dir -q install "redis>=5.0" "hiredis>=2.0"
 	touch $@
 
 # The Redis tests start their own redis-server, and a loopback Redis Cluster with redis-cli --cluster create;
