@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -105,13 +105,21 @@ class Engine:
         # Requests share the buffers and the model's hooks: one request on this model at a time,
         # through this engine or any other.
         self.lock = model_lock(model)
+        self.pending: Future[None] | None = None  # the last request's blocks, copied after it returned (settle)
         self.refresh()  # refuse an unsupported model before anything is looked up or stored
 
     def request(self, n_queried: int = 0) -> Request:
         """A new request over the model as it is now (its layout checked again; its root key taken when first needed)."""
         from ._request import Request
 
+        self.settle()
         return Request(self, self.refresh(), n_queried)
+
+    def settle(self) -> None:
+        """Return once the blocks the last request left to copy after it returned are in the store's queue."""
+        if self.pending is not None:
+            self.pending.result()  # forgotten only once done: an interrupted wait leaves it to be waited for again
+            self.pending = None
 
     @property
     def signature(self) -> Any:

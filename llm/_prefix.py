@@ -249,6 +249,8 @@ class PrefixCache:
             full = torch.as_tensor(ids, device=self.model.device)[None]
             user_processors = list(generate_kwargs.get("logits_processor") or [])
 
+            made: list[Any] = []  # a DynamicCache made here: nobody else holds it (see store_blocks' later)
+
             def run(cache: Any) -> tuple[Any, Any, _FirstScores, float]:
                 if cache is None:
                     cache = self.engine.miss_cache(len(ids))
@@ -256,6 +258,7 @@ class PrefixCache:
                     from transformers import DynamicCache
 
                     cache = DynamicCache(config=self.model.config)
+                    made.append(cache)
                 generate_kwargs[self.engine.cache_arg] = cache
                 # Otherwise model.generate runs every uncached token in its own first forward (it slices
                 # the prompt past what the cache holds), so a hit costs one pass over the weights, not two;
@@ -287,7 +290,10 @@ class PrefixCache:
             # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
             # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
             if self.engine.layout()[0]:
-                req.store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps)
+                # Copied for the store after returning where the cache is this call's alone: made here, and not
+                # handed back in the output (return_dict_in_generate gives the caller past_key_values).
+                alone = any(c is cache for c in made) and getattr(out, "past_key_values", None) is None
+                req.store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps, later=alone)
             self._end(req)
             return out
 

@@ -229,7 +229,15 @@ class Request:
                               fingerprints=[(parent if parent is not None else self.root).hex()])
 
     def store_blocks(self, ids: np.ndarray, cache: Any, n_in_cache: int, first_block: int,
-                      seconds_per_token: float) -> None:
+                      seconds_per_token: float, later: bool = False) -> None:
+        """Store the blocks of the first ``n_in_cache`` tokens from ``first_block`` on, as ``cache`` holds them.
+
+        ``later``: ``cache`` is the caller's alone and its tensors are never written again (a
+        ``DynamicCache`` this request made and nobody else holds: its layers grow by concatenation,
+        into new tensors): the blocks are then copied out of it on the store's writer thread after
+        the call returns (``PromptStore.later``), not before; the engine's next request waits for
+        them (``Engine.settle``), so it finds them as before.
+        """
         if refuted(self.root):
             return  # this live state is not what its key says: nothing is stored under it
         n = min(n_in_cache, len(ids))
@@ -253,17 +261,26 @@ class Request:
                           f"tokens for {n_in_cache}; nothing stored from it", PromptStoreWarning, stacklevel=3)
             return
         if not (last_block <= first_block and n == last_block * self.engine.block_tokens):
-            self.store_kv(ids, cache, n, first_block, seconds_per_token)
+            kv = kv_layers(cache)  # the layers' tensors as they are now (a deferred copy reads these)
+            if later and not self.engine.states():
+                ids = ids.copy()  # the caller's output may share these ids' memory, and is theirs to change
+                keys = self.block_keys(ids, n // self.engine.block_tokens)  # the root, hashed here and not on the writer
+                self.engine.pending = self.engine.store.later(
+                    lambda: self.store_kv(ids, kv, n, first_block, seconds_per_token, keys),
+                    nbytes=sum(k.nbytes + v.nbytes for k, v in kv))
+            else:
+                self.store_kv(ids, kv, n, first_block, seconds_per_token)
         if self.engine.states() and n == n_in_cache:
             self.store_state(ids, n, cache, seconds_per_token)  # after its blocks: its parent is one
 
-    def store_kv(self, ids: np.ndarray, cache: Any, n: int, first_block: int, seconds_per_token: float) -> None:
-        """The full blocks from ``first_block`` and the partial one after them, of the first ``n`` tokens."""
+    def store_kv(self, ids: np.ndarray, kv: list[tuple[Any, Any]], n: int, first_block: int, seconds_per_token: float,
+                 keys: list[bytes] | None = None) -> None:
+        """The full blocks from ``first_block`` and the partial one after them, of the first ``n`` tokens of ``kv``
+        (``kv_layers`` of a cache); ``keys``: their block keys, if already made."""
         import torch
 
         last_block = n // self.engine.block_tokens
-        keys = self.block_keys(ids, last_block)
-        kv = kv_layers(cache)
+        keys = keys if keys is not None else self.block_keys(ids, last_block)
         for b in range(first_block, last_block):
             if keys[b] in self.engine.store:
                 continue

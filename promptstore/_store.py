@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ from ._sizes import parse_size
 from ._stats import Stats
 from ._tiers import DiskTier, MemoryTier, Tier
 from ._writer import Writer
-from .errors import ConfigError, InvalidEntryError, PromptStoreWarning, StorePathError
+from .errors import ConfigError, InvalidEntryError, InvalidInputError, PromptStoreWarning, StorePathError
+
+_LATER = itertools.count()  # names each later() job in the writer's queue
 
 __all__ = ["PromptStore", "default_path"]
 
@@ -204,7 +208,7 @@ class PromptStore:
         prepared = prepare(key, tensors, kind=kind, cost_s=cost_s, meta=meta, parent=parent, ttl_s=ttl_s,
                            namespace=self.namespace)
         nbytes = sum(arr.nbytes for _, _, arr in prepared["tensors"])
-        if background and self._writer.submit(prepared["key"], lambda: self._write_queued(prepared), nbytes):
+        if background and self._writer.submit(prepared["key"], lambda: self._write_queued(prepared), nbytes) is not None:
             return True
         if self._writer:
             # A queued value of this key must not land after this one, nor its parent after it.
@@ -223,8 +227,48 @@ class PromptStore:
             except Exception:  # noqa: BLE001 - warnings turned into errors must not reach a later read
                 pass
 
+    def later(self, job: Callable[[], Any], *, nbytes: int = 0) -> Future[None]:
+        """Run ``job`` on the store's writer thread, after every background put made so far.
+
+        For work that only feeds the store (copying what a request computed into entries) and
+        need not delay the caller: ``job`` may read the store and put into it (its puts are
+        written within it, in order). :meth:`flush` and :meth:`close` wait for it, as does a
+        normal interpreter exit; a killed process loses it, as it loses queued puts. What ``job``
+        reads must not change until it has run. A job that raises stores what it had stored
+        and is reported as a :class:`~promptstore.errors.PromptStoreWarning`: it never fails the
+        caller. Where nothing can be queued (interpreter shutdown, or called from a job) it runs
+        now.
+
+        Args:
+            job: a callable of no arguments; its return value is ignored.
+            nbytes: about how many bytes ``job`` holds until it runs (counted against the
+                writer's queue bound, as a background put's tensors are).
+
+        Returns:
+            A future that is done once ``job`` has run.
+        """
+        if not callable(job):
+            raise InvalidInputError(f"later() takes a callable, got {type(job).__name__}")
+
+        def run() -> None:
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller, nor the writer
+                try:
+                    warnings.warn(f"a deferred store job failed ({type(exc).__name__}: {exc}); what it had not "
+                                  "stored is a miss", PromptStoreWarning, stacklevel=1)
+                except Exception:  # noqa: BLE001 - warnings turned into errors must not reach a later read
+                    pass
+
+        future = self._writer.submit(b"later:%d" % next(_LATER), run, nbytes)
+        if future is None:
+            run()
+            future = Future()
+            future.set_result(None)
+        return future
+
     def flush(self) -> None:
-        """Wait until every put made with ``background=True`` so far is written."""
+        """Wait until every put made with ``background=True`` (and every :meth:`later` job) so far is written."""
         self._writer.flush()
 
     def _put_entry(self, entry: Entry, tiers: Iterable[Tier] | None = None) -> bool:

@@ -6,7 +6,9 @@ queued waits for that write, so a process always finds what it stored. The threa
 normal (non-daemon) one: at a normal interpreter exit every queued write completes before the
 store's files close. A killed process loses the writes still queued; each tier's writes are
 atomic, so what it leaves is a miss, never a partial entry. At most ``MAX_QUEUED_BYTES`` wait in
-the queue: past that a put waits for it to drain.
+the queue: past that a put waits for it to drain. A job may itself read and write the store: on
+the writer thread every earlier job has run, so its reads wait for nothing and its puts are written
+at once, in order.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Writer:
 
     def _reset(self) -> None:
         self._pid = os.getpid()
+        self._thread: int | None = None  # the writer thread's ident, once it runs
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[bytes, Future[None]] = {}
@@ -63,26 +66,37 @@ class Writer:
         self._forked()
         return bool(self._pending)
 
-    def submit(self, key: bytes, job: Callable[[], None], nbytes: int = 0) -> bool:
-        """Queue ``job`` (which must not raise) as the write of ``key``; False if it cannot be queued.
+    def on_writer(self) -> bool:
+        """Whether the calling thread is the writer's own (a job running): everything queued before it has run."""
+        return self._thread == threading.get_ident()
 
-        It cannot at interpreter shutdown: the caller then writes synchronously.
+    def _started(self) -> None:
+        self._thread = threading.get_ident()
+        background_priority()
+
+    def submit(self, key: bytes, job: Callable[[], None], nbytes: int = 0) -> Future[None] | None:
+        """Queue ``job`` (which must not raise) as the write of ``key``: its future, or None if it cannot be queued.
+
+        It cannot at interpreter shutdown, nor from a job (on the writer thread, where the caller's
+        write is already in order): the caller then writes synchronously.
         """
         self._forked()
+        if self.on_writer():
+            return None
         if self._queued_bytes + nbytes > MAX_QUEUED_BYTES and self._pending:
             self.flush()
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-writer",
-                                                initializer=background_priority)
+                                                initializer=self._started)
             try:
                 future = self._pool.submit(job)
             except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-                return False
+                return None
             self._pending[key] = future
             self._queued_bytes += nbytes
         future.add_done_callback(functools.partial(self._done, key, nbytes))
-        return True
+        return future
 
     def _done(self, key: bytes, nbytes: int, future: Future[None]) -> None:
         with self._lock:
@@ -93,6 +107,8 @@ class Writer:
     def wait(self, key: bytes) -> None:
         """Return once the queued write of ``key`` (and so every write queued before it) has run."""
         self._forked()
+        if self.on_writer():
+            return  # a job: what was queued before it has run, and what comes after must not be waited for
         future = self._pending.get(key)
         if future is not None:
             future.result()
@@ -100,6 +116,8 @@ class Writer:
     def flush(self) -> None:
         """Return once every write queued so far has run."""
         self._forked()
+        if self.on_writer():
+            return
         with self._lock:
             futures = list(self._pending.values())
         for future in futures:

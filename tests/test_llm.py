@@ -750,6 +750,45 @@ def test_a_request_returns_before_its_blocks_are_written_and_the_next_finds_them
         assert out[0].tolist() == greedy(tiny, ids + [1, 2], n=3)
 
 
+def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_after_reaches_them(tiny, tmp_path):
+    """A request that ran into a cache of its own (a miss) returns before its blocks are copied out of that cache
+    for the store (``PromptStore.later``): with the writer held, generate returns with nothing copied. The caller
+    then overwrites the ids it got back; the next request on the engine waits for the copies and is served the
+    blocks and the partial block as they were computed. Where the output hands the cache back
+    (``return_dict_in_generate``), the blocks are copied before returning: the caller zeroing that cache's
+    tensors afterwards changes nothing stored."""
+    rng = np.random.default_rng(41)
+    with PromptStore(tmp_path / "store", memory_bytes=0) as store:
+        pc = PrefixCache(tiny, store=store, block_tokens=16)
+        ids = rng.integers(0, 500, 70).tolist()
+        gate = threading.Event()
+        store.later(lambda: gate.wait(60))
+        out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert not gate.is_set() and pc.engine.pending is not None and not pc.engine.pending.done()
+        seq = out[0].tolist()
+        assert seq == greedy(tiny, ids, 3)
+        out[0, 64:] = 0  # the caller's own tensor; its last 9 ids were the stored partial block's (64-71)
+        threading.Timer(0.3, gate.set).start()
+        zeros = seq[:64] + [0] * 8 + [5]  # what a tail stored from the overwritten ids would claim to hold
+        got = pc.generate(zeros, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        assert pc.stats["last"]["served"] == 64 and got[0].tolist() == greedy(tiny, zeros, 2)
+        again = seq[:72] + [5]
+        _, logits = pc.prefill(again)
+        assert pc.stats["last"]["served"] == 72
+        assert (logits - full_logits(tiny, again)).abs().max().item() <= ATOL
+
+        other = rng.integers(0, 500, 70).tolist()
+        out = pc.generate(other, max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        for layer in out.past_key_values.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+        store.flush()
+        again = out.sequences[0].tolist()[:72] + [5]
+        _, logits = pc.prefill(again)
+        assert pc.stats["last"]["served"] == 72
+        assert (logits - full_logits(tiny, again)).abs().max().item() <= ATOL
+
+
 def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
     """One PrefixCache and a ChunkCache on the same model, four threads at once, each asking the same and
     different prompts (a stored prefix and fresh ones), and a fifth calling the plain model meanwhile:

@@ -138,3 +138,57 @@ def test_a_forked_child_writes_with_a_writer_of_its_own(tmp_path):
             proc.kill()
         assert proc.exitcode == 0
         assert np.array_equal(store.get(store.key("t", "child")).tensors["x"], np.ones(3, np.float32))
+
+
+def test_a_later_job_runs_after_the_puts_before_it_and_flush_waits_for_it_and_its_puts(tmp_path):
+    """``later``: the job runs on the writer after what was queued before it, sees those entries, writes its own
+    puts within it (background or not), and flush() returns only once all of it is in the store."""
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        release = _block_disk_puts(store)
+        first, second = store.key("t", "first"), store.key("t", "second")
+        store.put(first, {"x": np.zeros(3, np.float32)}, kind="t", background=True)
+        seen: list[bool] = []
+
+        def job() -> None:
+            seen.append(store.get(first) is not None)  # queued before: written by now (waits for nothing)
+            store.put(second, {"x": np.ones(3, np.float32)}, kind="t", parent=first, background=True)
+            store.put(store.key("t", "third"), {"x": np.ones(2, np.float32)}, kind="t")
+
+        done = store.later(job, nbytes=12)
+        assert not done.done()  # the disk's writes are held back: the call did not wait for the job
+        threading.Timer(0.3, release.set).start()
+        store.flush()
+        assert done.done() and seen == [True]
+        assert np.array_equal(store.get(second).tensors["x"], np.ones(3, np.float32))
+        assert store.peek(second).parent == first and store.get(store.key("t", "third")) is not None
+
+
+def test_a_later_job_that_fails_is_a_warning_and_a_miss_never_the_callers_error(tmp_path):
+    from promptstore.errors import InvalidInputError, PromptStoreWarning
+
+    with PromptStore(tmp_path / "s") as store:
+        kept = store.key("t", "kept")
+
+        def job() -> None:
+            store.put(kept, {"x": np.zeros(3, np.float32)}, kind="t")
+            raise RuntimeError("a fault")
+
+        with pytest.warns(PromptStoreWarning, match="deferred store job failed"):
+            store.later(job).result()
+        assert store.get(kept) is not None  # what it stored before the fault stays
+        with pytest.raises(InvalidInputError):
+            store.later("not a job")  # type: ignore[arg-type]
+
+
+def test_a_later_job_queued_from_a_job_runs_at_once(tmp_path):
+    """On the writer thread a job cannot wait for one queued behind it: a nested job runs within it."""
+    with PromptStore(tmp_path / "s") as store:
+        order: list[str] = []
+
+        def outer() -> None:
+            inner = store.later(lambda: order.append("inner"))
+            assert inner.done()
+            order.append("outer")
+
+        store.later(outer).result(30)
+        assert order == ["inner", "outer"]
