@@ -36,6 +36,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
                         "llm_ttft_2026-12-02_final.json"),
     "llama_cpp_vs_prefixcache": ("llama_cpp_vs_prefixcache_2026-11-30.json",),
     "never_slower": ("never_slower_2026-12-03.json", "never_slower_8k_2026-12-05.json"),
+    "never_slower_paired": ("never_slower_paired_2k_2026-12-07.json", "never_slower_paired_8k_2026-12-07.json"),
     "mamba_stepwise": ("mamba_stepwise_2026-12-03.json",),
     "llama_cpp": ("llama_cpp_2k_2026-12-02b.json", "llama_cpp_8k_2026-12-02b.json"),
     "llama_cpp_copied_reads": ("llama_cpp_2026-12-02.json", "llama_cpp_2026-12-02_partial.log",
@@ -83,6 +84,9 @@ RESULTS: dict[str, tuple[str, ...]] = {
 # What a results file does not record but the write-up of its run did, with where it said so.
 STATED: dict[str, dict[str, str]] = {
     "never_slower_2026-12-03.json": {"commit": "7cfdfb0", "where": "BENCHMARKS.md at f7b57cf"},
+    "never_slower_paired_2k_2026-12-07.json": {"note": "The uncommitted change was the benchmark's own (paired "
+                                                       "ratios, the own-work timers, --modes), committed with it."},
+    "never_slower_paired_8k_2026-12-07.json": {"note": "The same code as the 2k file, the next run on the same machine."},
     "never_slower_8k_2026-12-05.json": {"note": "Another machine than the 2026-12-03 rows (Intel Xeon, not AMD EPYC): "
                                                 "its times are not comparable with theirs; its ratios are side by side "
                                                 "in one run. The uncommitted change was the benchmark's own (a moved "
@@ -567,6 +571,48 @@ def never_slower_section() -> tuple[Lines, Headline]:
                        f"at most {worst['auto_return_ratio']:.2f}x ({worst['tokens']:,} tokens, "
                        f"{worst['served_share']}% stored, declined)",
                        worst["auto_return_ratio"] <= 1.0, NEVER_TITLE)]
+    paired_lines, paired_head = never_slower_paired_section()
+    return lines + paired_lines, head + paired_head
+
+
+NEVER_PAIRED_TITLE = "What a request the default declines costs, paired"
+
+
+def never_slower_paired_section() -> tuple[Lines, Headline]:
+    names = RESULTS["never_slower_paired"]
+    runs = [load(n) for n in names]
+    rows = sorted((r for x in runs for r in x["rows"]), key=lambda r: (r["tokens"], r["served_share"]))
+    out = []
+    for r in rows:
+        ratios = r["auto_paired_return_ratios"]
+        own = r["auto_lookup_s"] + r["auto_stacking_s"]
+        out.append([f"{r['tokens']:,}", f"{r['served_share']}%", f"{r['auto_served']:,.0f}", f"{r['auto_declined']:,.0f}",
+                    str(len(ratios)), sec(r["plain_return_s"]), f"{r['auto_paired_return_ratio']:.3f}x",
+                    f"{min(ratios):.3f}x - {max(ratios):.3f}x", f"{r['auto_lookup_s'] * 1e3:.1f} ms",
+                    f"{r['auto_stacking_s'] * 1e3:.1f} ms", f"{100 * own / r['plain_return_s']:.2f}%"])
+    lengths = sorted({r["tokens"] for r in rows})
+    shares = sorted({r["served_share"] for r in rows})
+    commands = [f"`python bench/never_slower.py --lengths {' '.join(str(n) for n in sorted({r['tokens'] for r in x['rows']}))} "
+                f"--fractions {' '.join(str(f) for f in sorted({r['served_share'] for r in x['rows']}))} "
+                f"--repeats {x['repeats']} --modes auto`" for x in runs]
+    lines = [f"### {NEVER_PAIRED_TITLE}", "", *stamp(names),
+             " and ".join(commands) + ": the same requests as the table above, "
+             '`reuse="auto"` only, each repeat a pair (the plain request and the cached one on the same prompt, '
+             "in alternating order). **paired ratio**: the median over the pairs of the cached return time over the "
+             "plain one, with the least and the most (how noisy one pair is). **lookup** and **stacking**: the cached "
+             "request's own work besides `model.generate`, timed inside the call (medians): the lookup (the model's "
+             "identity, the block keys, the index reads, the decision) and the copies of the new blocks out of the "
+             "cache for the store before the call returns (their writes come after). A declined request runs what the "
+             "plain one runs plus these two, so **own work** (their sum, as a share of the plain request) is what it "
+             "costs; the pairs' spread is the forward's own from one request to the next.", "",
+             *table(["tokens", "stored", "served", "declined", "pairs", "plain: return", "paired ratio",
+                     "least - most", "lookup", "stacking", "own work"], "rrrrrrrrrrr", out), ""]
+    declined = [r for r in rows if r["auto_declined"] > 0] or rows
+    most = max(declined, key=lambda r: (r["auto_lookup_s"] + r["auto_stacking_s"]) / r["plain_return_s"])
+    share = (most["auto_lookup_s"] + most["auto_stacking_s"]) / most["plain_return_s"]
+    head: Headline = [("a declined request's own work (lookup, copies for the store) beside the plain request's",
+                       f"at most {100 * share:.2f}% ({most['tokens']:,} tokens, {most['served_share']}% stored); "
+                       f"paired ratio {most['auto_paired_return_ratio']:.3f}x", None, NEVER_PAIRED_TITLE)]
     return lines, head
 
 

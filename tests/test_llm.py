@@ -789,6 +789,36 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
         assert (logits - full_logits(tiny, again)).abs().max().item() <= ATOL
 
 
+EXITS_RIGHT_AFTER_GENERATE = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from models import tiny_llama
+from promptstore import PromptStore
+from promptstore.llm import PrefixCache
+store = PromptStore(sys.argv[1], memory_bytes=0)
+ids = np.random.default_rng(43).integers(0, 500, 70).tolist()
+print(PrefixCache(tiny_llama(), store=store, block_tokens=16).generate(ids, max_new_tokens=2, do_sample=False)[0].tolist())
+"""  # and exits without flush() or close(): its blocks still to be copied out of the cache
+
+
+def test_a_process_that_exits_right_after_generate_leaves_its_blocks_for_the_next(tmp_path):
+    """What is guaranteed: a normal exit runs every job still queued, the copies of a miss's blocks included; a
+    fresh process is then served them, with the plain scores."""
+    import json
+    import os
+
+    out = run_python(EXITS_RIGHT_AFTER_GENERATE, str(tmp_path / "store"), os.path.dirname(__file__))
+    seq = json.loads(out.stdout.strip().splitlines()[-1])
+    model = tiny_llama()  # as the child built it (no counting hook: that would be another identity)
+    with PromptStore(tmp_path / "store", memory_bytes=0) as store:
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        again = seq[:71] + [5]
+        _, logits = pc.prefill(again)
+        assert pc.stats["last"]["served"] == 71
+        assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
+
+
 def test_threads_sharing_one_cache_each_get_what_a_recompute_gives(tiny, store):
     """One PrefixCache and a ChunkCache on the same model, four threads at once, each asking the same and
     different prompts (a stored prefix and fresh ones), and a fifth calling the plain model meanwhile:
