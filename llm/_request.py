@@ -265,9 +265,9 @@ class Request:
             if later and not self.engine.states():
                 ids = ids.copy()  # the caller's output may share these ids' memory, and is theirs to change
                 keys = self.block_keys(ids, n // self.engine.block_tokens)  # the root, hashed here and not on the writer
-                self.engine.pending = self.engine.store.later(
+                self.engine.copying(self.engine.store.later(
                     lambda: self.store_kv(ids, kv, n, first_block, seconds_per_token, keys),
-                    nbytes=sum(k.nbytes + v.nbytes for k, v in kv))
+                    nbytes=sum(k.nbytes + v.nbytes for k, v in kv)))
             else:
                 self.store_kv(ids, kv, n, first_block, seconds_per_token)
         if self.engine.states() and n == n_in_cache:

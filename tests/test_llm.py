@@ -764,7 +764,7 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
         gate = threading.Event()
         store.later(lambda: gate.wait(60))
         out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        assert not gate.is_set() and pc.engine.pending is not None and not pc.engine.pending.done()
+        assert not gate.is_set() and pc.engine.pending is not None and not pc.engine.pending[1].done()
         seq = out[0].tolist()
         assert seq == greedy(tiny, ids, 3)
         out[0, 64:] = 0  # the caller's own tensor; its last 9 ids were the stored partial block's (64-71)
@@ -787,6 +787,36 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
         _, logits = pc.prefill(again)
         assert pc.stats["last"]["served"] == 72
         assert (logits - full_logits(tiny, again)).abs().max().item() <= ATOL
+
+
+def test_a_child_forked_while_a_miss_was_being_copied_serves_its_own_requests(tmp_path):
+    """The parent's copy runs on the parent's writer; a child forked before it ran must not wait for it (it
+    would wait forever): its next request runs, and equals the plain call."""
+    import multiprocessing
+    import os
+
+    model = tiny_llama()
+    rng = np.random.default_rng(44)
+    ids, other = rng.integers(0, 500, 70).tolist(), rng.integers(0, 500, 40).tolist()
+    want = greedy(model, other, 2)
+    with PromptStore(tmp_path / "store", memory_bytes=0) as store:
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        gate = threading.Event()
+        store.later(lambda: gate.wait(60))
+        pc.generate(ids, max_new_tokens=2, do_sample=False)  # its copies wait behind the gate
+
+        def child() -> None:
+            torch.set_num_threads(1)
+            got = pc.generate(other, max_new_tokens=2, min_new_tokens=2, do_sample=False)[0].tolist()
+            os._exit(0 if got == want else 3)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(120)
+        if proc.exitcode is None:
+            proc.kill()
+        gate.set()
+        assert proc.exitcode == 0
 
 
 EXITS_RIGHT_AFTER_GENERATE = """
