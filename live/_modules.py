@@ -224,6 +224,20 @@ def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), 
     walk.finish()
 
 
+def has_forward_hooks(module: Any) -> bool:
+    """Whether a forward hook or pre-hook runs anywhere in the tree, or for every module (``register_module_forward_hook``).
+
+    Such a hook is handed what the module takes and returns (a KV cache among them, for the
+    model and its layers) and may keep it: what it keeps is no longer one caller's alone.
+    """
+    import torch
+
+    mod = torch.nn.modules.module
+    if getattr(mod, "_global_forward_pre_hooks", None) or getattr(mod, "_global_forward_hooks", None):
+        return True
+    return any(sub._forward_pre_hooks or sub._forward_hooks for sub in module.modules())
+
+
 def active_dropout(module: Any, skip: str | tuple[str, ...] = "") -> str | None:
     """Where a module in training mode would make the output random or batch-dependent, or None.
 

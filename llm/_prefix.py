@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import has_forward_hooks
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._counts import Counts
@@ -290,9 +291,11 @@ class PrefixCache:
             # model.generate ran through the cache, so what it left is not stored (measured: Mamba2's
             # left state differs from one of len(seq) - 1 tokens); the prompt's state serves the next turn.
             if self.engine.layout()[0]:
-                # Copied for the store after returning where the cache is this call's alone: made here, and not
-                # handed back in the output (return_dict_in_generate gives the caller past_key_values).
-                alone = any(c is cache for c in made) and getattr(out, "past_key_values", None) is None
+                # Copied for the store after returning where the cache is this call's alone: made here, not
+                # handed back in the output (return_dict_in_generate gives the caller past_key_values), and
+                # seen by no forward hook (one is handed the cache, and may keep it and write into it later).
+                alone = (any(c is cache for c in made) and getattr(out, "past_key_values", None) is None
+                         and not has_forward_hooks(self.model))
                 req.store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps, later=alone)
             self._end(req)
             return out

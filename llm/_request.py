@@ -233,8 +233,8 @@ class Request:
         """Store the blocks of the first ``n_in_cache`` tokens from ``first_block`` on, as ``cache`` holds them.
 
         ``later``: ``cache`` is the caller's alone and its tensors are never written again (a
-        ``DynamicCache`` this request made and nobody else holds: its layers grow by concatenation,
-        into new tensors): the blocks are then copied out of it on the store's writer thread after
+        ``DynamicCache`` this request made, that no forward hook was handed and nobody else holds:
+        its layers grow by concatenation, into new tensors): the blocks are then copied out of it on the store's writer thread after
         the call returns (``PromptStore.later``), not before; the engine's next request waits for
         them (``Engine.settle``), so it finds them as before.
         """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -750,7 +751,7 @@ def test_a_request_returns_before_its_blocks_are_written_and_the_next_finds_them
         assert out[0].tolist() == greedy(tiny, ids + [1, 2], n=3)
 
 
-def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_after_reaches_them(tiny, tmp_path):
+def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_after_reaches_them(tmp_path):
     """A request that ran into a cache of its own (a miss) returns before its blocks are copied out of that cache
     for the store (``PromptStore.later``): with the writer held, generate returns with nothing copied. The caller
     then overwrites the ids it got back; the next request on the engine waits for the copies and is served the
@@ -758,6 +759,7 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
     (``return_dict_in_generate``), the blocks are copied before returning: the caller zeroing that cache's
     tensors afterwards changes nothing stored."""
     rng = np.random.default_rng(41)
+    tiny = tiny_llama()  # no hook: a hook is handed the cache, and then nothing is deferred (the test below)
     with PromptStore(tmp_path / "store", memory_bytes=0) as store:
         pc = PrefixCache(tiny, store=store, block_tokens=16)
         ids = rng.integers(0, 500, 70).tolist()
@@ -787,6 +789,42 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
         _, logits = pc.prefill(again)
         assert pc.stats["last"]["served"] == 72
         assert (logits - full_logits(tiny, again)).abs().max().item() <= ATOL
+
+
+class _Kept:
+    cache: Any = None  # the last cache a forward was handed (module-level: the hook's identity stays the same)
+
+
+KEPT = _Kept()
+
+
+def keep_cache(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    KEPT.cache = kwargs.get("cache", kwargs.get("past_key_values"))  # named "cache" in this transformers
+
+
+def test_a_forward_hook_that_keeps_the_cache_and_writes_into_it_later_reaches_nothing_stored(tmp_path):
+    """A forward hook is handed the request's cache and may keep it: the cache is then not the call's alone,
+    and its blocks are copied before generate returns. The hook's owner zeroing every layer afterwards
+    (while the writer is still busy) changes nothing stored: the next request is served the 72 tokens
+    with the plain scores."""
+    model = tiny_llama()
+    model.register_forward_pre_hook(keep_cache, with_kwargs=True)
+    ids = np.random.default_rng(47).integers(0, 500, 70).tolist()
+    with PromptStore(tmp_path / "store", memory_bytes=0) as store:
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        gate = threading.Event()
+        store.later(lambda: gate.wait(60))
+        out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert KEPT.cache is not None
+        for layer in KEPT.cache.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+        gate.set()
+        store.flush()
+        again = out[0].tolist()[:72] + [5]
+        _, logits = pc.prefill(again)
+        assert pc.stats["last"]["served"] == 72
+        assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
 
 
 def test_a_child_forked_while_a_miss_was_being_copied_serves_its_own_requests(tmp_path):
