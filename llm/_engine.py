@@ -106,7 +106,7 @@ class Engine:
         # through this engine or any other.
         self.lock = model_lock(model)
         # The last request's blocks, copied after it returned (settle), and the process that queued the copy.
-        self.pending: tuple[int, Future[None]] | None = None
+        self.pending: Future[None] | None = None
         self.refresh()  # refuse an unsupported model before anything is looked up or stored
 
     def request(self, n_queried: int = 0) -> Request:
@@ -119,14 +119,13 @@ class Engine:
     def settle(self) -> None:
         """Return once the blocks the last request left to copy after it returned are in the store."""
         if self.pending is not None:
-            pid, job = self.pending
-            if pid == os.getpid():  # a forked child never runs its parent's jobs: it must not wait for them
-                job.result()  # forgotten only once done: an interrupted wait leaves it to be waited for again
+            # In a forked child this returns at once (PromptStore.later): the parent's writer runs the copy.
+            self.pending.result()  # forgotten only once done: an interrupted wait leaves it to be waited for again
             self.pending = None
 
     def copying(self, job: Future[None]) -> None:
         """Note the copy of a request's blocks that runs after it returned: the next request waits for it."""
-        self.pending = (os.getpid(), job)
+        self.pending = job
 
     @property
     def signature(self) -> Any:

@@ -49,13 +49,13 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from promptstore import PromptStore, background_priority, chain_keys, file_digest
+from promptstore import PromptStore, chain_keys, file_digest
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._decide import RestoreRates
@@ -174,7 +174,7 @@ class LlamaCppCache(BaseLlamaCache):
         # background writer once the state and its pointers are in the store, so after flush()).
         self.stats: dict[str, int] = {"lookups": 0, "hits": 0, "served": 0, "queued": 0, "stored": 0,
                                       "declined": 0}
-        self._behind = _Behind()
+        self._job: Future[None] | None = None  # the last state's write (PromptStore.later)
         self._buffers: dict[str, np.ndarray] = {}  # see _staging
         self._writing: np.ndarray | None = None  # the tokens of the state being written
 
@@ -406,7 +406,9 @@ class LlamaCppCache(BaseLlamaCache):
         cost = n / self._prefill_rate()
         self.stats["queued"] += 1
         self._writing = tokens
-        self._behind.submit(lambda: self._write(head_key, tokens, tensors, cost))
+        # On the store's writer thread, after its queued puts. nbytes 0: the buffers are this cache's,
+        # held whether queued or not, and the next state waits for this one before reusing them.
+        self._job = self.store.later(lambda: self._write(head_key, tokens, tensors, cost))
 
     def _staging(self, name: str, size: int, dtype: type) -> np.ndarray:
         """A buffer of ``size`` items to copy a state (or its scores) into, reused from state to state.
@@ -460,16 +462,18 @@ class LlamaCppCache(BaseLlamaCache):
         any process sharing it).
 
         A completion returns before its state is written: reading it from the context is all it
-        waits for. The writes run on a background thread, which a normal interpreter exit waits
-        for; a killed process loses the state it was writing (a miss, never a partial entry).
-        Call it before closing the store (``store.close()`` waits for the store's own writes,
-        not for this cache's).
+        waits for. The writes run on the store's writer thread (``PromptStore.later``), which
+        ``store.close()``, ``store.flush()`` and a normal interpreter exit wait for; a killed
+        process loses the state it was writing (a miss, never a partial entry).
         """
         self._written()
         self.store.flush()
 
     def _written(self) -> None:
-        self._behind.wait()
+        if self._job is not None:
+            # In a forked child this returns at once (PromptStore.later): the parent's writer runs its job.
+            self._job.result()  # forgotten only once done: an interrupted wait (Ctrl-C) leaves it to be waited for again
+            self._job = None
         self._writing = None
 
     def _record_prefill(self) -> None:
@@ -507,43 +511,3 @@ class _Context:
 
     def __init__(self, n_tokens: int, input_ids: np.ndarray) -> None:
         self.n_tokens, self.input_ids = n_tokens, input_ids
-
-
-class _Behind:
-    """Runs one job at a time after the call that queued it returns, on a low-priority thread.
-
-    A normal interpreter exit waits for the job (the thread is not a daemon); a forked child
-    does not inherit it (the parent's job is the parent's to finish).
-    """
-
-    def __init__(self) -> None:
-        self._pid = os.getpid()
-        self._pool: ThreadPoolExecutor | None = None
-        self._job: Future[None] | None = None
-
-    def _forked(self) -> None:
-        if os.getpid() != self._pid:
-            self._pid, self._pool, self._job = os.getpid(), None, None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` (which must not raise) once the last one is done."""
-        self.wait()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptstore-llamacpp",
-                                            initializer=background_priority)
-        try:
-            self._job = self._pool.submit(job)
-        except RuntimeError:  # interpreter shutdown, or no thread to be had: run it here
-            # The executor may have queued the job before failing to start a thread: drop it, so that it
-            # never runs later over buffers that hold another state by then.
-            pool, self._pool = self._pool, None
-            pool.shutdown(wait=False, cancel_futures=True)
-            job()
-
-    def wait(self) -> None:
-        """Return once the last job has run."""
-        self._forked()
-        job = self._job
-        if job is not None:
-            job.result()  # forgotten only once done: an interrupted wait (Ctrl-C) leaves it to be waited for again
-            self._job = None

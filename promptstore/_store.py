@@ -21,7 +21,7 @@ from ._keys import Key, coerce_key, make_key
 from ._sizes import parse_size
 from ._stats import Stats
 from ._tiers import DiskTier, MemoryTier, Tier
-from ._writer import Writer
+from ._writer import OwnFuture, Writer
 from .errors import ConfigError, InvalidEntryError, InvalidInputError, PromptStoreWarning, StorePathError
 
 _LATER = itertools.count()  # names each later() job in the writer's queue
@@ -237,7 +237,8 @@ class PromptStore:
         reads must not change until it has run. A job that raises stores what it had stored
         and is reported as a :class:`~promptstore.errors.PromptStoreWarning`: it never fails the
         caller. Where nothing can be queued (interpreter shutdown, or called from a job) it runs
-        now.
+        now. A process forked after queuing it does not run it, and its wait on the future
+        returns at once.
 
         Args:
             job: a callable of no arguments; its return value is ignored.
@@ -250,6 +251,8 @@ class PromptStore:
         if not callable(job):
             raise InvalidInputError(f"later() takes a callable, got {type(job).__name__}")
 
+        future = OwnFuture()
+
         def run() -> None:
             try:
                 job()
@@ -259,12 +262,11 @@ class PromptStore:
                                   "stored is a miss", PromptStoreWarning, stacklevel=1)
                 except Exception:  # noqa: BLE001 - warnings turned into errors must not reach a later read
                     pass
+            finally:
+                future.set_result(None)
 
-        future = self._writer.submit(b"later:%d" % next(_LATER), run, nbytes)
-        if future is None:
+        if self._writer.submit(b"later:%d" % next(_LATER), run, nbytes) is None:
             run()
-            future = Future()
-            future.set_result(None)
         return future
 
     def flush(self) -> None:

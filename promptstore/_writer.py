@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["Writer", "background_priority"]
+__all__ = ["OwnFuture", "Writer", "background_priority"]
 
 
 # Queued bytes past which a put waits for the queue to drain first: a writer slower than the requests
@@ -40,6 +40,25 @@ def background_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
+
+
+class OwnFuture(Future[None]):
+    """The future of a job queued on a process's writer, which a process forked after it never waits for.
+
+    The job runs on the thread of the process that queued it; a forked child has no such thread,
+    so waiting there would never end. In the child, :meth:`result` returns at once (the job is its
+    parent's to run) and :meth:`done` stays False.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pid = os.getpid()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the job, in the process that queued it; elsewhere return at once."""
+        if os.getpid() != self._pid:
+            return None
+        return super().result(timeout)
 
 
 class Writer:

@@ -181,7 +181,8 @@ def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_wa
     assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
     assert writing.wait(60) and cache.stats["queued"] == 1
     assert cache.stats["stored"] == 0  # counted once written, not when queued
-    assert store.ls(kind=KIND) == [] and store.ls(kind=INDEX_KIND) == []  # returned while its state waits
+    with PromptStore(tmp_path / "s") as other:  # another process's view (this store's ls would wait for the write)
+        assert other.ls(kind=KIND) == [] and other.ls(kind=INDEX_KIND) == []  # returned while its state waits
     waiter = threading.Thread(target=cache.flush)
     waiter.start()
     waiter.join(0.5)
@@ -202,31 +203,58 @@ def test_a_completion_returns_before_its_state_is_written_and_the_next_lookup_wa
     assert cache.stats["hits"] == 2 and cache.stats["served"] - served >= len(tokens(longer)) - 1
 
 
+def test_closing_the_store_writes_the_state_still_queued(tmp_path, reference):
+    """``store.close()`` waits for a completion's state as for the store's own writes (the state is written on
+    the store's writer thread): reopened, the store holds it and serves a fresh Llama."""
+    llm = make_llm()
+    store = PromptStore(tmp_path / "s")
+    cache = LlamaCppCache(llm, store)
+    llm.set_cache(cache)
+    release = threading.Event()
+    put = store.put
+
+    def held_put(key, tensors, **kw):  # a store slow to write states
+        if kw.get("kind") == KIND:
+            assert release.wait(120)
+        return put(key, tensors, **kw)
+
+    store.put = held_put
+    assert complete(llm, DOC + QUESTIONS[0]) == reference(DOC + QUESTIONS[0])
+    with PromptStore(tmp_path / "s") as other:  # another process's view (this store's ls would wait for the write)
+        assert other.ls(kind=KIND) == []  # returned while its state waits
+    threading.Timer(0.3, release.set).start()
+    store.close()  # no cache.flush()
+    with PromptStore(tmp_path / "s") as again:
+        assert len(again.ls(kind=KIND)) == 1
+        fresh = make_llm()
+        served = LlamaCppCache(fresh, again)
+        fresh.set_cache(served)
+        assert complete(fresh, DOC + QUESTIONS[1]) == reference(DOC + QUESTIONS[1])
+        assert served.stats["hits"] == 1 and served.stats["served"] >= len(tokens(DOC))
+
+
 def test_an_interrupted_wait_keeps_the_job_to_wait_for_and_a_failed_write_never_raises_later(tmp_path, reference):
     """Ctrl-C while waiting for a write: the write is still waited for next time (its buffers are not reused
     under it). A write that fails with warnings made errors is a miss, never an error in a later call."""
-    from promptstore.llm._llamacpp import _Behind
-
-    behind, release, ran = _Behind(), threading.Event(), []
-    behind.submit(lambda: (release.wait(60), ran.append(1)))
+    llm = make_llm()
+    store = PromptStore(tmp_path / "s")
+    cache = LlamaCppCache(llm, store)
+    llm.set_cache(cache)
+    release, ran = threading.Event(), []
+    cache._job = store.later(lambda: (release.wait(60), ran.append(1)))  # as a state's write is queued
     # Python's own Ctrl-C handler, whatever this process inherited (a shell ignores SIGINT in a job it
     # starts in the background, and Python then installs none).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real signal: it interrupts the wait
         with pytest.raises(KeyboardInterrupt):
-            behind.wait()
+            cache.flush()
     finally:
         signal.signal(signal.SIGINT, previous)
     assert ran == []  # interrupted while the job still ran
     threading.Timer(0.3, release.set).start()
-    behind.wait()  # waits for the job the interrupted wait left
+    cache.flush()  # waits for the job the interrupted wait left
     assert ran == [1]
-
-    llm = make_llm()
-    store = PromptStore(tmp_path / "s")
-    cache = LlamaCppCache(llm, store)
-    llm.set_cache(cache)
 
     def broken_put(key, tensors, **kw):
         raise OSError("disk gone")

@@ -766,7 +766,7 @@ def test_a_miss_copies_its_blocks_after_returning_and_nothing_the_caller_does_af
         gate = threading.Event()
         store.later(lambda: gate.wait(60))
         out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        assert not gate.is_set() and pc.engine.pending is not None and not pc.engine.pending[1].done()
+        assert not gate.is_set() and pc.engine.pending is not None and not pc.engine.pending.done()
         seq = out[0].tolist()
         assert seq == greedy(tiny, ids, 3)
         out[0, 64:] = 0  # the caller's own tensor; its last 9 ids were the stored partial block's (64-71)

@@ -192,3 +192,32 @@ def test_a_later_job_queued_from_a_job_runs_at_once(tmp_path):
 
         store.later(outer).result(30)
         assert order == ["inner", "outer"]
+
+
+def test_a_process_forked_while_a_later_job_waits_does_not_wait_for_it_and_runs_its_own(tmp_path):
+    """The parent's job runs on the parent's writer: a child forked before it ran returns from waiting on its
+    future at once (waiting would never end there), and its own jobs and puts run and land."""
+    import multiprocessing
+    import os
+
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        gate = threading.Event()
+        parent_job = store.later(lambda: gate.wait(60))
+
+        def child() -> None:
+            parent_job.result()  # at once
+            ran: list[int] = []
+            store.later(lambda: ran.append(1)).result()
+            store.put(store.key("t", "child"), {"x": np.ones(2, np.float32)}, kind="t", background=True)
+            store.flush()
+            os._exit(0 if ran == [1] and store.get(store.key("t", "child")) is not None else 3)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(60)
+        alive = proc.is_alive()
+        if alive:
+            proc.kill()
+        gate.set()
+        assert not alive and proc.exitcode == 0
+        assert parent_job.result(10) is None and parent_job.done()
