@@ -30,11 +30,11 @@ from promptstore import digest_tensors
 from promptstore.errors import UnsupportedModelError
 
 from ._ambient import ambient_lines, autocast_active
-from ._modules import active_dropout, has_forward_hooks, walk_tree
+from ._modules import active_dropout, forward_intercepted, walk_tree
 from ._tokenizers import TOKENIZER_FILES, TOKENIZER_IGNORED, record_tokenizer, tokenizer_files
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["reset_memos", "Identity", "classes_identity", "functions_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active", "has_forward_hooks",
+__all__ = ["reset_memos", "Identity", "classes_identity", "functions_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active", "forward_intercepted",
            "load_tokenizer"]
 
 

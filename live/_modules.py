@@ -224,18 +224,33 @@ def walk_tree(walk: Walk, module: Any, entries: tuple[str, ...] = ("forward",), 
     walk.finish()
 
 
-def has_forward_hooks(module: Any) -> bool:
-    """Whether a forward hook or pre-hook runs anywhere in the tree, or for every module (``register_module_forward_hook``).
+def _capturing(hook: Any) -> bool:
+    # transformers' own output capture (installed for good by a first output_hidden_states or
+    # output_attentions call): it appends the layer's output to the call's collector, nothing else.
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
 
-    Such a hook is handed what the module takes and returns (a KV cache among them, for the
-    model and its layers) and may keep it: what it keeps is no longer one caller's alone.
+
+def forward_intercepted(module: Any) -> bool:
+    """Whether anything besides the modules' own code is handed what a module tree takes and returns.
+
+    A forward hook or pre-hook on any module or for every module (``register_module_forward_hook``),
+    other than transformers' output capture; or a ``forward`` (or ``generate``) set on an instance,
+    as wrappers and accelerate's hooks do. Such code sees a model's KV cache, and may keep it.
     """
     import torch
 
     mod = torch.nn.modules.module
     if getattr(mod, "_global_forward_pre_hooks", None) or getattr(mod, "_global_forward_hooks", None):
         return True
-    return any(sub._forward_pre_hooks or sub._forward_hooks for sub in module.modules())
+    if "generate" in vars(module):
+        return True
+    for sub in module.modules():
+        if sub._forward_pre_hooks or "forward" in vars(sub):
+            return True
+        if sub._forward_hooks and not all(_capturing(h) for h in sub._forward_hooks.values()):
+            return True
+    return False
 
 
 def active_dropout(module: Any, skip: str | tuple[str, ...] = "") -> str | None:

@@ -105,7 +105,7 @@ class Engine:
         # Requests share the buffers and the model's hooks: one request on this model at a time,
         # through this engine or any other.
         self.lock = model_lock(model)
-        # The last request's blocks, copied after it returned (settle), and the process that queued the copy.
+        # The copy of the last request's blocks, made after it returned (settle).
         self.pending: Future[None] | None = None
         self.refresh()  # refuse an unsupported model before anything is looked up or stored
 

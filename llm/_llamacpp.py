@@ -35,9 +35,9 @@ and in a llama-cpp-python whose completion this does not recognise, it is true a
 and ``cache[key] = llm.save_state()`` stores the same way.
 
 A completion waits only for its state to be read (6 ms at 2,000 tokens of SmolLM2, into a buffer
-reused from state to state). Writing it, its head and its pointers runs on a background thread
-after the completion returns; :meth:`LlamaCppCache.flush` waits for that, and so does a normal
-interpreter exit.
+reused from state to state). Writing it, its head and its pointers runs on the store's writer
+thread after the completion returns (``PromptStore.later``); :meth:`LlamaCppCache.flush`,
+``store.flush()``, ``store.close()`` and a normal interpreter exit wait for that.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
-from promptstore._live import has_forward_hooks
+from promptstore._live import forward_intercepted
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._counts import Counts
@@ -237,6 +237,7 @@ class PrefixCache:
             # then checked, before any lookup or forward.
             check_generation(self.model, generate_kwargs)
             check_lengths(generate_kwargs, len(ids))
+            intercepted = forward_intercepted(self.model)  # before the call too: a hook may remove itself
             req = self._begin(len(ids))
             cache, n_cached = req.lookup(ids, in_forward=True)
             stop = len(ids) - 1
@@ -293,9 +294,10 @@ class PrefixCache:
             if self.engine.layout()[0]:
                 # Copied for the store after returning where the cache is this call's alone: made here, not
                 # handed back in the output (return_dict_in_generate gives the caller past_key_values), and
-                # seen by no forward hook (one is handed the cache, and may keep it and write into it later).
+                # seen by no hook or forward wrapper, before or after the call (one is handed the cache, and
+                # may keep it and write into it later).
                 alone = (any(c is cache for c in made) and getattr(out, "past_key_values", None) is None
-                         and not has_forward_hooks(self.model))
+                         and not intercepted and not forward_intercepted(self.model))
                 req.store_blocks(seq, cache, len(seq) - 1, first_block, 1.0 / tps, later=alone)
             self._end(req)
             return out

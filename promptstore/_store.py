@@ -246,14 +246,18 @@ class PromptStore:
                 writer's queue bound, as a background put's tensors are).
 
         Returns:
-            A future that is done once ``job`` has run.
+            A future that is done once ``job`` has run (or could not run: a miss). In a process
+            forked after the call, its ``result()`` returns at once and ``done()`` stays False.
         """
         if not callable(job):
             raise InvalidInputError(f"later() takes a callable, got {type(job).__name__}")
 
         future = OwnFuture()
+        claim = threading.Lock()  # never released: the job runs once at most
 
         def run() -> None:
+            if not claim.acquire(blocking=False):
+                return
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - a cache fault must never fail the caller, nor the writer
@@ -263,10 +267,13 @@ class PromptStore:
                 except Exception:  # noqa: BLE001 - warnings turned into errors must not reach a later read
                     pass
             finally:
-                future.set_result(None)
+                future.finish()
 
-        if self._writer.submit(b"later:%d" % next(_LATER), run, nbytes) is None:
+        queued = self._writer.submit(b"later:%d" % next(_LATER), run, nbytes)
+        if queued is None:
             run()
+        else:  # an executor that breaks fails its queued jobs without running them: waiters must not wait forever
+            queued.add_done_callback(lambda _: future.finish())
         return future
 
     def flush(self) -> None:

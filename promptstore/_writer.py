@@ -60,6 +60,12 @@ class OwnFuture(Future[None]):
             return None
         return super().result(timeout)
 
+    def finish(self) -> None:
+        """Mark the job over (run, or dropped by a broken executor: then a miss), once."""
+        with self._condition:
+            if not self.done():
+                self.set_result(None)
+
 
 class Writer:
     """Runs write jobs on one background thread, in order, keyed so that a read can wait for one."""
@@ -110,7 +116,12 @@ class Writer:
                                                 initializer=self._started)
             try:
                 future = self._pool.submit(job)
-            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            except RuntimeError:  # interpreter shutdown, or no thread to be had ("can't start new thread")
+                # The executor queues a job before it starts a thread for it: drop the pool with what it
+                # queued, or the job the caller now runs itself would run a second time, later, over
+                # whatever its buffers hold by then.
+                pool, self._pool = self._pool, None
+                pool.shutdown(wait=False, cancel_futures=True)
                 return None
             self._pending[key] = future
             self._queued_bytes += nbytes

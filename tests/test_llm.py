@@ -827,6 +827,77 @@ def test_a_forward_hook_that_keeps_the_cache_and_writes_into_it_later_reaches_no
         assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
 
 
+class _Once:
+    handle: Any = None
+
+
+ONCE = _Once()
+
+
+def keep_cache_once(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    ids = kwargs.get("input_ids")
+    if ids is not None and ids.shape[1] == 70:  # generate's forward over the prompt (not the cache's own checks)
+        KEPT.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ONCE.handle.remove()  # gone before generate returns
+
+
+def test_a_hook_gone_by_the_end_of_the_call_or_a_wrapped_forward_keeps_the_copy_in_the_call(tmp_path):
+    """What else is handed the cache: a hook that removes itself during the call, and a ``forward`` set on the
+    instance (a wrapper, as accelerate's hooks are). Each keeps the cache, its owner zeroes it after the call
+    while the writer is held; nothing stored changes (the next request is served 72 tokens with the plain
+    scores). transformers' own output capture (hooks it installs for good at a first
+    ``output_hidden_states`` call) keeps nothing: a miss after it still copies its blocks after returning."""
+    ids = np.random.default_rng(48).integers(0, 500, 70).tolist()
+
+    def wrapped(model: Any) -> Any:
+        own = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            KEPT.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            return own(*args, **kwargs)
+
+        model.forward = forward
+        return model
+
+    def once(model: Any) -> Any:
+        ONCE.handle = model.register_forward_pre_hook(keep_cache_once, with_kwargs=True)
+        return model
+
+    for make in (once, wrapped):
+        model = tiny_llama()
+        KEPT.cache = None
+        with PromptStore(tmp_path / make.__name__, memory_bytes=0) as store:
+            pc = PrefixCache(model, store=store, block_tokens=16)
+            make(model)  # after the cache's own set-up, whose forwards would spend the one-shot hook
+            gate = threading.Event()
+            store.later(lambda: gate.wait(60))
+            out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            assert KEPT.cache is not None
+            for layer in KEPT.cache.layers:
+                layer.keys.zero_()
+                layer.values.zero_()
+            gate.set()
+            store.flush()
+            if make is once:
+                once(model)  # the same hook again: the same identity as the call that stored
+            again = out[0].tolist()[:72] + [5]
+            _, logits = pc.prefill(again)
+            assert pc.stats["last"]["served"] == 72, make.__name__
+            assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
+
+    model = tiny_llama()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules())  # transformers' capture, installed for good
+    with PromptStore(tmp_path / "captured", memory_bytes=0) as store:
+        pc = PrefixCache(model, store=store, block_tokens=16)
+        gate = threading.Event()
+        store.later(lambda: gate.wait(60))
+        pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert pc.engine.pending is not None and not pc.engine.pending.done()
+        gate.set()
+
+
 def test_a_child_forked_while_a_miss_was_being_copied_serves_its_own_requests(tmp_path):
     """The parent's copy runs on the parent's writer; a child forked before it ran must not wait for it (it
     would wait forever): its next request runs, and equals the plain call."""

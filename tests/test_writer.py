@@ -221,3 +221,44 @@ def test_a_process_forked_while_a_later_job_waits_does_not_wait_for_it_and_runs_
         gate.set()
         assert not alive and proc.exitcode == 0
         assert parent_job.result(10) is None and parent_job.done()
+
+
+def test_a_later_job_runs_once_when_the_writer_thread_cannot_start_and_never_leaves_a_waiter_hanging(tmp_path, monkeypatch):
+    """No thread to be had: the job runs in the caller, and the copy the executor had queued is dropped (it would
+    run again later over a buffer holding the next job's data). An executor that breaks (its thread's set-up
+    fails) fails its jobs: their futures still end (a miss), never a wait forever."""
+    import promptstore._writer as writer_module
+
+    start = threading.Thread.start
+    failed: list[bool] = []
+
+    def start_once_failing(self: threading.Thread) -> None:
+        if not failed and self.name.startswith("promptstore-writer"):
+            failed.append(True)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+    with PromptStore(tmp_path / "s", memory_bytes=0) as store:
+        buffer, runs = np.zeros(4, np.float32), []
+
+        def write(name: str) -> None:
+            runs.append((name, buffer.tolist()))
+            store.put(store.key("t", name), {"x": buffer}, kind="t")
+
+        buffer[:] = 1
+        first = store.later(lambda: write("A"))
+        assert failed and first.done()  # ran in the caller
+        buffer[:] = 2
+        store.later(lambda: write("B")).result()
+        store.flush()
+        assert runs == [("A", [1.0] * 4), ("B", [2.0] * 4)]
+        assert store.get(store.key("t", "A")).tensors["x"].tolist() == [1.0] * 4
+    monkeypatch.undo()
+
+    def broken() -> None:
+        raise ValueError("set-up failed")
+
+    monkeypatch.setattr(writer_module, "background_priority", broken)
+    with PromptStore(tmp_path / "b", memory_bytes=0) as store:
+        assert store.later(lambda: None).result(timeout=30) is None
