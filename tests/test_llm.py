@@ -802,6 +802,22 @@ def keep_cache(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
     KEPT.cache = kwargs.get("cache", kwargs.get("past_key_values"))  # named "cache" in this transformers
 
 
+def generate_then_zero_what_was_kept(pc: PrefixCache, store: PromptStore, ids: list[int]) -> list[int]:
+    """A miss generated while the writer is held; then every layer of the cache a hook kept (``KEPT``) zeroed
+    before the writer goes on. The ids of a prompt the stored blocks and partial block serve (72 tokens)."""
+    KEPT.cache = None
+    gate = threading.Event()
+    store.later(lambda: gate.wait(60))
+    out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert KEPT.cache is not None
+    for layer in KEPT.cache.layers:
+        layer.keys.zero_()
+        layer.values.zero_()
+    gate.set()
+    store.flush()
+    return out[0].tolist()[:72] + [5]
+
+
 def test_a_forward_hook_that_keeps_the_cache_and_writes_into_it_later_reaches_nothing_stored(tmp_path):
     """A forward hook is handed the request's cache and may keep it: the cache is then not the call's alone,
     and its blocks are copied before generate returns. The hook's owner zeroing every layer afterwards
@@ -812,16 +828,7 @@ def test_a_forward_hook_that_keeps_the_cache_and_writes_into_it_later_reaches_no
     ids = np.random.default_rng(47).integers(0, 500, 70).tolist()
     with PromptStore(tmp_path / "store", memory_bytes=0) as store:
         pc = PrefixCache(model, store=store, block_tokens=16)
-        gate = threading.Event()
-        store.later(lambda: gate.wait(60))
-        out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        assert KEPT.cache is not None
-        for layer in KEPT.cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-        gate.set()
-        store.flush()
-        again = out[0].tolist()[:72] + [5]
+        again = generate_then_zero_what_was_kept(pc, store, ids)
         _, logits = pc.prefill(again)
         assert pc.stats["last"]["served"] == 72
         assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
@@ -865,22 +872,12 @@ def test_a_hook_gone_by_the_end_of_the_call_or_a_wrapped_forward_keeps_the_copy_
 
     for make in (once, wrapped):
         model = tiny_llama()
-        KEPT.cache = None
         with PromptStore(tmp_path / make.__name__, memory_bytes=0) as store:
             pc = PrefixCache(model, store=store, block_tokens=16)
             make(model)  # after the cache's own set-up, whose forwards would spend the one-shot hook
-            gate = threading.Event()
-            store.later(lambda: gate.wait(60))
-            out = pc.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-            assert KEPT.cache is not None
-            for layer in KEPT.cache.layers:
-                layer.keys.zero_()
-                layer.values.zero_()
-            gate.set()
-            store.flush()
+            again = generate_then_zero_what_was_kept(pc, store, ids)
             if make is once:
                 once(model)  # the same hook again: the same identity as the call that stored
-            again = out[0].tolist()[:72] + [5]
             _, logits = pc.prefill(again)
             assert pc.stats["last"]["served"] == 72, make.__name__
             assert (logits - full_logits(model, again)).abs().max().item() <= ATOL
