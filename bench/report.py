@@ -59,7 +59,8 @@ RESULTS: dict[str, tuple[str, ...]] = {
     "chunk_quality_step_guard": ("chunk_quality_chat_2026-12-02.json", "chunk_quality_plain_2026-12-02.json"),
     "chunk_quality_shapes": ("chunk_quality_shapes_2026-11-30.json",),
     "vllm_bench": ("vllm_bench_2026-12-07.json",),
-    "vllm_bench_before": ("vllm_bench_2026-12-06b.json",),  # the same benchmark's run before the table's
+    "vllm_bench_before": ("vllm_bench_2026-12-06b.json",),
+    "vllm_restart_parts": ("vllm_restart_parts_2026-12-07.json",),  # the same benchmark's run before the table's
     "vllm_bench_other_machine": ("vllm_bench_bf16_8k_2026-12-07b.json", "vllm_bench_2026-12-06b.json", "vllm_bench_2026-12-06.json", "vllm_bench_2026-12-04d.json", "vllm_bench_2026-12-04b.json", "vllm_bench_bf16_2026-12-04b.json",
                                  "vllm_bench_2026-12-04c.json", "vllm_bench_2026-12-03.log",
                                  "vllm_bench_bf16_8k_2026-12-03.json", "vllm_bench_2026-12-04.json",
@@ -1118,6 +1119,7 @@ def vllm_section() -> tuple[Lines, Headline]:
                      "later / vLLM hit", "other host: first", "other host: median", "served", "bytes / token",
                      "same first token as vLLM alone"], "l" + "r" * 14 + "l", out), ""]
     other_lines, other_head = vllm_other_machine_section()
+    other_lines = vllm_parts_section() + other_lines
     dates = sorted({load(n)["date"] for n in names if n.endswith(".json")})
     # The run before the table's, same machine and benchmark: a goal counts as met only where both meet it.
     before = [r for r in vllm_rows(RESULTS["vllm_bench_before"]) if "connector" not in r]
@@ -1147,6 +1149,45 @@ def vllm_goals(rows: list[dict], runs: str, title: str, before: list[dict] | Non
         (f"vLLM: storing never slows a cold request (cold + store / cold at most 1.0), {runs}",
          ", ".join(f"{r['dtype']} {r['length']:,}: {r['cold_store_s'] / r['cold_s']:.2f}x" for r in rows),
          max(r["cold_store_s"] / r["cold_s"] for r in rows) <= 1.0, title)]
+
+
+VLLM_PARTS_TITLE = "vLLM: where a restarted engine's first request goes"
+
+
+def vllm_parts_section() -> Lines:
+    names = RESULTS["vllm_restart_parts"]
+    rows = load(names[0])["rows"]
+    out = []
+    for layout in ("default", "in-process"):
+        alone = next(r for r in rows if r["layout"] == layout and r["engine"] == "vLLM alone")
+        restarted = [r for r in rows if r["layout"] == layout and r["engine"] == "restarted"]
+        first = statistics.median(r["first_s"] for r in restarted)
+        parts = [r["parts"] for r in restarted if r.get("parts")]
+        own = (" / ".join(f"{name} {ms(statistics.median(p.get(name, 0.0) for p in parts))}"
+                          for name in ("load", "check", "lookup"))
+               # wait_for_save runs the check, then copies the step's new blocks out: "save" holds "check"
+               + f" (all: {ms(statistics.median(p['load'] + p['lookup'] + p['plan'] + p['save'] for p in parts))})"
+               ) if parts else "not seen (another process)"
+        same = all(r["tokens"] == alone["tokens"] for r in restarted)
+        out.append([layout, sec(alone["cold_s"]), sec(alone["first_s"]), sec(alone["then_s"]),
+                    sec(first) + " (" + " / ".join(sec(r["first_s"]) for r in sorted(restarted, key=lambda r: r["first_s"])) + ")",
+                    sec(statistics.median(r["then_s"] for r in restarted)), own,
+                    f"{first / alone['then_s']:.2f}x / {first / alone['first_s']:.2f}x", "yes" if same else "no"])
+    return [f"### {VLLM_PARTS_TITLE}", "", *stamp(names),
+            "`python bench/vllm_restart_parts.py --length 8000 --dtype bfloat16 --restarts 4`: one document plus a question "
+            "(7,997 tokens) stored by an engine with the connector; then, in each of vLLM's two engine layouts (its "
+            "default, the engine core in a process of its own, and `VLLM_ENABLE_V1_MULTIPROCESSING=0`, all in one "
+            "process), a fresh engine without the connector (the document cold, then two other questions: its first "
+            "prefix-cache hit and the one after) and 4 fresh engines with it on the stored folder (another question: "
+            "the first request of a restarted engine; then a third, vLLM's own hit in that engine). **connector's own "
+            "work**: the connector's methods timed inside the engine (in-process layout only), medians over the "
+            "restarted engines: loading the blocks into vLLM's pages (the store's reads and the copies), checking "
+            "the last served token, the scheduler's lookup. The first request of any fresh engine pays vLLM's own "
+            "first use (compare vLLM alone's first hit with the one after it); that part is vLLM's, with or without "
+            "a connector.", "",
+            *table(["layout", "vLLM alone: cold", "vLLM alone: first hit", "vLLM alone: next hit",
+                    "restarted: first request", "restarted: next (vLLM's hit)", "connector's own work",
+                    "restarted first / vLLM alone (next / first hit)", "same first tokens"], "l" + "r" * 7 + "l", out), ""]
 
 
 VLLM_OTHER_TITLE = "vLLM: earlier runs, another machine, and LMCache"

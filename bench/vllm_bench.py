@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -57,8 +58,42 @@ TEXT = ("Manual {d}, section {i}: forklifts of fleet {d} are parked in bay C aft
 QUESTIONS = ["\nQuestion: Where do forklifts park?\nAnswer:", "\nQuestion: Which aisle takes heavy pallets?\nAnswer:"]
 
 
+# The connector's methods timed in an in-process engine, and what each is ("save", the step's end, runs "check").
+TIMED = {"start_load_kv": "load", "_check_loads": "check", "get_num_new_matched_tokens": "lookup",
+         "build_connector_meta": "plan", "wait_for_save": "save"}
+
+
+def connector_timers() -> dict[str, float]:
+    """Time the connector's methods (``TIMED``) in this process from now on: seconds per part, summed."""
+    import collections
+    import functools
+
+    import promptstore.vllm as connector
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name: str) -> None:
+        fn = getattr(connector.PromptStoreConnector, name)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[TIMED[name]] += time.perf_counter() - t0
+
+        setattr(connector.PromptStoreConnector, name, run)
+
+    for name in TIMED:
+        timed(name)
+    return spent
+
+
 def engine_child(spec: dict) -> None:
-    """In vLLM's venv: build one engine, then time each prompt's first token."""
+    """In vLLM's venv: build one engine, then time each prompt's first token (and with ``spec["timed"]``
+    the connector's own parts of it)."""
+    spent = connector_timers() if spec.get("timed") else None
     if spec.get("lmcache"):  # LMCache reads its settings from the environment
         os.environ.update({"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4",
                            "LMCACHE_LOCAL_DISK": f"file://{spec['lmcache']}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "8"})
@@ -78,10 +113,13 @@ def engine_child(spec: dict) -> None:
     params = SamplingParams(max_tokens=1, temperature=0)
     rows = []
     for ids in spec["prompts"]:
+        if spent is not None:
+            spent.clear()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
-        rows.append({"s": seconds, "token": out.outputs[0].token_ids[0], "cached": out.num_cached_tokens or 0})
+        rows.append({"s": seconds, "token": out.outputs[0].token_ids[0], "cached": out.num_cached_tokens or 0,
+                     **({"parts": dict(spent)} if spent is not None else {})})
     print("RESULTS " + json.dumps(rows), flush=True)
 
 
@@ -96,13 +134,16 @@ def documents(tokenizer, length: int, repeats: int) -> list[list[list[int]]]:
 
 
 def run_engine(args: argparse.Namespace, site: str, model: str, dtype: str, prompts: list[list[int]],
-               connector: dict | None, lmcache: str | None = None) -> list[dict]:
+               connector: dict | None, lmcache: str | None = None, in_process: bool = False) -> list[dict]:
+    """One engine in a fresh process of vLLM's venv; ``in_process``: vLLM's engine core in that same process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where the connector's methods are timed (each row's "parts")."""
     spec = Path(site).parent / "spec.json"  # token ids: too long for a command line
     spec.write_text(json.dumps({"model": model, "dtype": dtype, "prompts": prompts, "connector": connector,
-                                "lmcache": lmcache}))
+                                "lmcache": lmcache, "timed": in_process and connector is not None}))
     python = args.lmcache_python if lmcache else args.vllm_python
+    env = {**os.environ, "PYTHONPATH": site, **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
     proc = subprocess.run([python, __file__, "--engine", str(spec)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": site}, timeout=3600)
+                          env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     if proc.returncode or not lines:
         raise SystemExit(f"engine failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -110,6 +151,22 @@ def run_engine(args: argparse.Namespace, site: str, model: str, dtype: str, prom
     # A hit whose check failed (a false alarm here: the engine runs the model its key names) is recomputed.
     rows[0]["refuted"] = proc.stderr.count("differs from what this engine computes")
     return rows
+
+
+def prepare(args: argparse.Namespace, prefix: str) -> tuple[Any, str, Path, Path]:
+    """SmolLM2's tokenizer and model folder, a scratch folder, and in it the site vLLM's venv imports
+    promptstore from (the core, with the connector as ``promptstore.vllm``)."""
+    if not args.vllm_python:
+        raise SystemExit("name vLLM's venv Python: --vllm-python or PROMPTSTORE_VLLM_PYTHON (make vllm-venv builds it)")
+    from promptstore.llm import load_model, models_dir
+
+    _, tokenizer = load_model()
+    model = str(sorted(Path(models_dir()).glob("smollm2-135m-instruct*"))[0])
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    site = work / "site"
+    shutil.copytree(ROOT / "promptstore", site / "promptstore")
+    shutil.copytree(ROOT / "vllm_connector", site / "promptstore" / "vllm")
+    return tokenizer, model, work, site
 
 
 def settle(folder: Path, quiet_s: float = 3.0) -> None:
@@ -144,20 +201,12 @@ def main() -> None:
     if args.engine:
         engine_child(json.loads(Path(args.engine).read_text()))
         return
-    if not args.vllm_python:
-        raise SystemExit("name vLLM's venv Python: --vllm-python or PROMPTSTORE_VLLM_PYTHON (make vllm-venv builds it)")
     import redis as redis_py
     from redis_server import RedisServer
 
     from promptstore import PromptStore
-    from promptstore.llm import load_model, models_dir
 
-    _, tokenizer = load_model()
-    model = str(sorted(Path(models_dir()).glob("smollm2-135m-instruct*"))[0])
-    work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
-    site = work / "site"
-    shutil.copytree(ROOT / "promptstore", site / "promptstore")
-    shutil.copytree(ROOT / "vllm_connector", site / "promptstore" / "vllm")
+    tokenizer, model, work, site = prepare(args, "vllm-bench-")
     redis = RedisServer(work / "redis").start()
     rows = []
     try:
