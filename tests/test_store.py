@@ -418,3 +418,37 @@ def test_get_into_an_array_of_another_shape_from_disk_leaves_it_and_the_entry_al
             assert k in s and entry_file(s, k).exists()  # still stored
             assert_same_tensors(s.get(k, kind="t").tensors, {"x": x, "y": y})
         assert s.verify()["ok"]
+
+
+def test_a_read_never_waits_for_the_index_write_lock_and_its_hit_counts_are_written_behind(tmp_path, monkeypatch):
+    """Hits reach the disk tier's index in batches; a batch that a read makes due is written on the
+    store's writer thread. A read while another process holds the index's write lock is served at
+    once (in the call, it waited out the lock's 60 s timeout and then missed), and its hits land
+    once the lock is free."""
+    import time
+
+    from promptstore._tiers import disk
+
+    monkeypatch.setattr(disk, "FLUSH_AFTER_S", 0.0)  # every read makes its batch due
+    store = PromptStore(tmp_path / "s", memory_bytes=0)
+    key = store.key("t", "a")
+    store.put(key, {"x": np.arange(4.0)}, kind="t")
+    stored = store.ls("t")[0].hits  # (an entry starts with one)
+    other = sqlite3.connect(tmp_path / "s" / "index.sqlite", isolation_level=None)  # as another process's
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a tier fault would warn: none may happen
+            t0 = time.monotonic()
+            served = [store.get(key, kind="t") for _ in range(3)]
+            took = time.monotonic() - t0
+        assert all(e is not None and np.array_equal(e.tensors["x"], np.arange(4.0)) for e in served)
+        assert took < 5.0, f"three reads took {took:.1f} s behind another writer's lock"
+    finally:
+        other.execute("COMMIT")
+        other.close()
+    assert store.stats()["kinds"]["t"]["hits"] == 3
+    store.close()  # writes what is still pending
+    view = PromptStore(tmp_path / "s", memory_bytes=0)  # what another process reads from the index
+    assert [i.hits for i in view.ls("t")] == [stored + 3]
+    view.close()

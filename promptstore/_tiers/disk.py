@@ -126,10 +126,14 @@ UPDATE entries SET hits = hits + :n, last_hit = :now,
 WHERE key = :key
 """
 # Hits are written to the index in batches: one write transaction per get would cost more
-# than reading a small entry. A batch goes out with the next write, or when it is this
-# big or this old; until then this process applies its own pending TTL refreshes.
+# than reading a small entry. A batch goes out with the next write, or by a thread of its own
+# when it is this big or this old (a read never writes: the first read after a pause would pay
+# a transaction, or wait out another process's write lock); until then this process applies
+# its own pending TTL refreshes.
 FLUSH_HITS = 256
 FLUSH_AFTER_S = 1.0
+BUSY_TIMEOUT_MS = 60000  # how long a write waits for another connection's write lock
+BUSY_RETRY_S = 1.0  # a background flush that found the index locked tries again this much later
 
 _COUNT = """
 INSERT INTO counters (kind, hits, misses, hit_bytes, saved_s) VALUES (?, ?, ?, ?, ?)
@@ -260,19 +264,30 @@ class DiskTier(Tier):
         self.entries_dir = self.root / ENTRIES_DIR
         self.entries_dir.mkdir(exist_ok=True)
         self.durable = durable
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the write connection, and every transaction
         self._db: sqlite3.Connection | None = None
         self._pid = -1
+        # Reads have a connection and lock of their own: a write holds _lock while it waits for
+        # another process's write lock on the index (up to BUSY_TIMEOUT_MS), and a read must not.
+        self._read_lock = threading.Lock()
+        self._rdb: sqlite3.Connection | None = None
+        self._rpid = -1
         self._abandoned: list[sqlite3.Connection] = []
+        self._count_lock = threading.Lock()  # the three below (taken inside _lock, never around it)
         self._pending: dict[str, int] = {}  # misses per kind, flushed with the next write
         self._hits: dict[bytes, list[Any]] = {}  # key -> [hits, last hit, kind, size, cost]
-        self._flushed_at = time.monotonic()
+        self._flush_queued = False  # handed to the flusher thread
+        self._closed = False
         super().__init__(DEFAULT_DISK_BYTES, clock=clock, sizeof=sizeof)
         with self._txn() as db:
             if budget is not None:
                 db.execute("INSERT OR REPLACE INTO settings VALUES ('budget', ?)", (int(budget),))
             row = db.execute("SELECT value FROM settings WHERE name = 'budget'").fetchone()
         self.budget = int(budget) if budget is not None else int(row[0]) if row else DEFAULT_DISK_BYTES
+        with self._read_lock:
+            # Opened now, with its files (the write-ahead log's): not on the first read's time.
+            self._reader().execute("SELECT 1 FROM entries LIMIT 1").fetchall()
+        _FLUSHER.ready()  # its thread started now, not on a read
 
     # -- connection and transactions -----------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
@@ -295,9 +310,9 @@ class DiskTier(Tier):
             return db
 
     def _open_index(self, path: Path) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
         try:
-            db.execute("PRAGMA busy_timeout = 60000")
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             for attempt in range(100):
                 try:
                     if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() == "wal":
@@ -338,6 +353,18 @@ class DiskTier(Tier):
             self._pid = os.getpid()
         return self._db
 
+    def _reader(self) -> sqlite3.Connection:
+        """The reads' connection (used under _read_lock)."""
+        if self._rdb is None or self._rpid != os.getpid():
+            if self._rdb is not None:
+                self._abandoned.append(self._rdb)  # inherited over fork, as in _conn
+            with self._lock:
+                self._conn()  # the index exists, at this schema (rebuilt if it was unreadable)
+            self._rdb = sqlite3.connect(self.root / INDEX_FILE, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                        check_same_thread=False)
+            self._rpid = os.getpid()
+        return self._rdb
+
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
@@ -354,20 +381,42 @@ class DiskTier(Tier):
                 raise
 
     def _write_counters(self, db: sqlite3.Connection) -> None:
-        if self._hits:
-            db.executemany(_HIT, [{"n": h[0], "now": h[1], "key": k} for k, h in self._hits.items()])
+        with self._count_lock:
+            hits, self._hits = self._hits, {}
+            pending, self._pending = self._pending, {}
+        if hits:
+            db.executemany(_HIT, [{"n": h[0], "now": h[1], "key": k} for k, h in hits.items()])
             per_kind: dict[str, list[Any]] = {}
-            for n, _, kind, size, cost in self._hits.values():
+            for n, _, kind, size, cost in hits.values():
                 c = per_kind.setdefault(kind, [0, 0, 0.0])
                 c[0] += n
                 c[1] += n * size
                 c[2] += n * cost
             db.executemany(_COUNT, [(k, c[0], 0, c[1], c[2]) for k, c in per_kind.items()])
-            self._hits.clear()
-        if self._pending:
-            db.executemany(_COUNT, [(k, 0, n, 0, 0.0) for k, n in self._pending.items()])
-            self._pending.clear()
-        self._flushed_at = time.monotonic()
+        if pending:
+            db.executemany(_COUNT, [(k, 0, n, 0, 0.0) for k, n in pending.items()])
+
+    def _background_flush(self) -> None:
+        """The flusher thread's flush of a due batch. It never waits for another process's write lock on
+        the index: the batch then stays pending, for the next write, flush or try."""
+        with self._count_lock:
+            self._flush_queued = False
+            if not (self._hits or self._pending):
+                return
+        with self._lock:
+            if self._closed:
+                return
+            db = self._conn()
+            db.execute("PRAGMA busy_timeout = 0")
+            try:
+                with self._txn():
+                    pass
+            except sqlite3.OperationalError:  # SQLITE_BUSY: another connection is writing
+                with self._count_lock:
+                    self._flush_queued = True
+                _FLUSHER.add(self, max(FLUSH_AFTER_S, BUSY_RETRY_S))
+            finally:
+                db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
 
     def flush(self) -> None:
         """Write this process's pending hit and miss counts to the index."""
@@ -383,11 +432,13 @@ class DiskTier(Tier):
         With ``into``, see :meth:`get_into`: the header is checked first (an entry of another
         namespace or kind writes nothing), then matching tensors are read straight into the arrays.
         """
-        with self._lock:
-            row = self._conn().execute(
+        with self._read_lock:
+            row = self._reader().execute(
                 "SELECT file, expires, ttl, hits, created FROM entries WHERE key = ?", (key,)
             ).fetchone()
-            pending = self._hits.get(key)
+        with self._count_lock:
+            counted = self._hits.get(key)
+            pending = None if counted is None else (counted[0], counted[1])  # (the list changes under the lock)
         if row is None:
             return None
         file, expires, ttl, hits, created = row
@@ -447,21 +498,24 @@ class DiskTier(Tier):
     def _counted(self, key: bytes, kind: str | None, found: tuple[Entry, tuple[int, float]] | None) -> Entry | None:
         """Count a read's hit (or miss) for the policy; the entry with its hit count, or None."""
         if found is None:
-            with self._lock:
+            with self._count_lock:
                 self._pending[kind or "unknown"] = self._pending.get(kind or "unknown", 0) + 1
             return None
         entry, (hits, created) = found
         now = self.clock()
-        with self._lock:
+        with self._count_lock:
             pending = self._hits.get(key)
             if pending is None:
                 self._hits[key] = [1, now, entry.kind, entry.size, entry.cost_s]
             else:
                 pending[0] += 1
                 pending[1] = now
-            due = len(self._hits) >= FLUSH_HITS or time.monotonic() - self._flushed_at > FLUSH_AFTER_S
-        if due:
-            self.flush()
+            # The flusher writes the batch once it is due (now, if it is this big already).
+            hand = not self._flush_queued
+            self._flush_queued = True
+            urgent = len(self._hits) >= FLUSH_HITS
+        if hand or urgent:
+            _FLUSHER.add(self, 0.0 if urgent else FLUSH_AFTER_S)
         entry.hits, entry.created, entry.last_hit = hits + 1, created, now
         return entry
 
@@ -709,12 +763,79 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._db is not None and self._pid == os.getpid():
                 with contextlib.suppress(sqlite3.Error):
                     self.flush()
                     self._db.close()
             self._db = None
+        with self._read_lock:
+            if self._rdb is not None and self._rpid == os.getpid():
+                with contextlib.suppress(sqlite3.Error):
+                    self._rdb.close()
+            self._rdb = None
 
+
+class _Flusher:
+    """One daemon thread per process that writes disk tiers' due batches of hit counts, at the lowest
+    CPU priority: between requests as a rule, and never at the start of one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queue: dict[int, tuple[weakref.ref[DiskTier], float]] = {}  # id -> (tier, due at)
+        self._pid = -1
+
+    def ready(self) -> bool:
+        """Start this process's thread if it is not running (first use, or a child after fork); False if
+        no thread can be had (batches then go out with the next write, flush or close)."""
+        with self._lock:
+            return self._started()
+
+    def _started(self) -> bool:
+        if self._pid != os.getpid():
+            self._queue.clear()
+            try:
+                threading.Thread(target=self._run, name="promptstore-flusher", daemon=True).start()
+            except RuntimeError:
+                return False
+            self._pid = os.getpid()
+        return True
+
+    def add(self, tier: DiskTier, delay: float) -> None:
+        """Write ``tier``'s batch in ``delay`` seconds (or sooner, if it is already due sooner)."""
+        with self._lock:
+            if not self._started():
+                return
+            due = time.monotonic() + delay
+            held = self._queue.get(id(tier))
+            if held is None or due < held[1]:
+                self._queue[id(tier)] = (weakref.ref(tier), due)
+        self._wake.set()  # the thread may be waiting for a later one
+
+    def _run(self) -> None:
+        from .._writer import background_priority
+
+        background_priority()
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                ready = [ref for ref, due in self._queue.values() if due <= now]
+                self._queue = {k: v for k, v in self._queue.items() if v[1] > now}
+                wait = min((due for _, due in self._queue.values()), default=now + 60.0) - now
+            for ref in ready:
+                tier = ref()
+                if tier is not None:
+                    try:
+                        tier._background_flush()
+                    except Exception:  # noqa: BLE001 - counts are bookkeeping: the next write or close tries again
+                        pass
+            if not ready:
+                self._wake.wait(wait)
+                self._wake.clear()
+
+
+_FLUSHER = _Flusher()
 
 _IOV_MAX = 1024
 _HASH_RUN = 1 << 20  # hash what was just read while it is still in the CPU's cache
