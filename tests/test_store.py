@@ -421,8 +421,8 @@ def test_get_into_an_array_of_another_shape_from_disk_leaves_it_and_the_entry_al
 
 
 def test_a_read_never_waits_for_the_index_write_lock_and_its_hit_counts_are_written_behind(tmp_path, monkeypatch):
-    """Hits reach the disk tier's index in batches; a batch that a read makes due is written on the
-    store's writer thread. A read while another process holds the index's write lock is served at
+    """Hits reach the disk tier's index in batches, written by a thread of their own, never by the
+    read that made a batch due. A read while another process holds the index's write lock is served at
     once (in the call, it waited out the lock's 60 s timeout and then missed), and its hits land
     once the lock is free."""
     import time
@@ -451,4 +451,118 @@ def test_a_read_never_waits_for_the_index_write_lock_and_its_hit_counts_are_writ
     store.close()  # writes what is still pending
     view = PromptStore(tmp_path / "s", memory_bytes=0)  # what another process reads from the index
     assert [i.hits for i in view.ls("t")] == [stored + 3]
+    view.close()
+
+
+def _slow_batches(monkeypatch, seconds: float):
+    """Make the flusher's batch writes take ``seconds`` inside their transaction (a large batch, a slow disk),
+    so that what races them lands inside one; returns an event set when one starts."""
+    import threading
+    import time
+
+    from promptstore._tiers import disk
+
+    started = threading.Event()
+    original = disk.DiskTier._write_counters
+
+    def slow(self, db):
+        original(self, db)
+        if threading.current_thread().name == "promptstore-flusher":
+            started.set()
+            time.sleep(seconds)
+
+    monkeypatch.setattr(disk.DiskTier, "_write_counters", slow)
+    return started
+
+
+def test_a_process_forked_while_hit_counts_are_written_uses_the_store_and_counts_its_own_hits(tmp_path, monkeypatch):
+    """A child forked while the flusher thread holds the tier's locks (mid-write) would inherit them held, with no
+    thread to release them: its first read hung. Fork waits for the write; the child starts with fresh locks,
+    none of the parent's pending hits (both would write them), and a flusher of its own, which writes its hits."""
+    import multiprocessing
+    import os
+    import time
+
+    from promptstore._tiers import disk
+
+    monkeypatch.setattr(disk, "FLUSH_AFTER_S", 0.2)
+    writing = _slow_batches(monkeypatch, 0.5)
+    store = PromptStore(tmp_path / "s", memory_bytes=0)
+    key = store.key("t", "a")
+    store.put(key, {"x": np.arange(4.0)}, kind="t")
+    stored = store.ls("t")[0].hits
+    assert store.get(key, kind="t") is not None  # the parent's hit, written by its flusher
+    assert writing.wait(10)
+
+    def child() -> None:
+        ok = all(store.get(key, kind="t") is not None for _ in range(3))
+        store.put(store.key("t", "child"), {"x": np.ones(2)}, kind="t")
+        time.sleep(1.5)  # the child's flusher writes its three hits
+        os._exit(0 if ok else 3)  # as a worker process ends: no close, no exit handlers
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    hung = proc.is_alive()
+    if hung:
+        proc.kill()
+    assert not hung and proc.exitcode == 0
+    store.close()
+    view = PromptStore(tmp_path / "s", memory_bytes=0)
+    assert {i.key: i.hits for i in view.ls("t")}[bytes(key)] == stored + 1 + 3
+    view.close()
+
+
+def test_an_entry_refreshed_by_a_hit_is_not_dropped_as_expired_by_a_read_racing_the_hits_write(tmp_path, monkeypatch):
+    """A sliding TTL: a read that lands while the flusher writes the batch holding the entry's last hit saw the row's
+    old expiry and no pending hit, and dropped the live entry. The expiry is checked again before anything goes."""
+    import time
+
+    from promptstore._tiers import disk
+
+    monkeypatch.setattr(disk, "FLUSH_AFTER_S", 0.0)
+    writing = _slow_batches(monkeypatch, 0.5)
+    now = [0.0]
+    store = PromptStore(tmp_path / "s", memory_bytes=0, clock=lambda: now[0])
+    key = store.key("t", "a")
+    store.put(key, {"x": np.arange(4.0)}, kind="t", ttl_s=10)  # expires at 10 unless hit
+    now[0] = 5.0
+    assert store.get(key, kind="t") is not None  # now expires at 15
+    assert writing.wait(10)
+    now[0] = 12.0
+    entry = store.get(key, kind="t")
+    time.sleep(0.6)
+    assert entry is not None and key in store
+    store.close()
+
+
+def test_a_process_forked_with_hits_pending_writes_its_own_and_not_its_parents(tmp_path, monkeypatch):
+    """A child forked before the parent's batch was written inherits it: writing it would count the parent's hits
+    twice, and a batch marked as handed to a flusher (the parent's, absent in the child) kept the child's own hits
+    from ever being handed to one."""
+    import multiprocessing
+    import os
+    import time
+
+    from promptstore._tiers import disk
+
+    monkeypatch.setattr(disk, "FLUSH_AFTER_S", 0.5)
+    store = PromptStore(tmp_path / "s", memory_bytes=0)
+    key = store.key("t", "a")
+    store.put(key, {"x": np.arange(4.0)}, kind="t")
+    stored = store.ls("t")[0].hits
+    assert store.get(key, kind="t") is not None  # pending: written in half a second
+
+    def child() -> None:
+        ok = all(store.get(key, kind="t") is not None for _ in range(3))
+        time.sleep(2.0)  # the child's flusher writes what it holds
+        os._exit(0 if ok else 3)  # as a worker process ends: no close, no exit handlers
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    store.close()
+    view = PromptStore(tmp_path / "s", memory_bytes=0)
+    assert {i.key: i.hits for i in view.ls("t")}[bytes(key)] == stored + 1 + 3
     view.close()

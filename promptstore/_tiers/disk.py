@@ -278,6 +278,7 @@ class DiskTier(Tier):
         self._pending: dict[str, int] = {}  # misses per kind, flushed with the next write
         self._hits: dict[bytes, list[Any]] = {}  # key -> [hits, last hit, kind, size, cost]
         self._flush_queued = False  # handed to the flusher thread
+        self._retry_at = 0.0  # (monotonic) the flusher found the index locked: not before this
         self._closed = False
         super().__init__(DEFAULT_DISK_BYTES, clock=clock, sizeof=sizeof)
         with self._txn() as db:
@@ -288,7 +289,7 @@ class DiskTier(Tier):
         with self._read_lock:
             # Opened now, with its files (the write-ahead log's): not on the first read's time.
             self._reader().execute("SELECT 1 FROM entries LIMIT 1").fetchall()
-        _FLUSHER.ready()  # its thread started now, not on a read
+        _TIERS.add(self)
 
     # -- connection and transactions -----------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
@@ -397,6 +398,14 @@ class DiskTier(Tier):
         if pending:
             db.executemany(_COUNT, [(k, 0, n, 0, 0.0) for k, n in pending.items()])
 
+    def _forked(self) -> None:
+        """In a child after fork (one thread): fresh locks, and no batch of the parent's."""
+        self._lock = threading.RLock()
+        self._read_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._hits, self._pending = {}, {}
+        self._flush_queued, self._retry_at = False, 0.0
+
     def _background_flush(self) -> None:
         """The flusher thread's flush of a due batch. It never waits for another process's write lock on
         the index: the batch then stays pending, for the next write, flush or try."""
@@ -413,9 +422,10 @@ class DiskTier(Tier):
                 with self._txn():
                     pass
             except sqlite3.OperationalError:  # SQLITE_BUSY: another connection is writing
+                self._retry_at = time.monotonic() + BUSY_RETRY_S
+                queued = _FLUSHER.add(self, FLUSH_AFTER_S)
                 with self._count_lock:
-                    self._flush_queued = True
-                _FLUSHER.add(self, max(FLUSH_AFTER_S, BUSY_RETRY_S))
+                    self._flush_queued = queued
             finally:
                 db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
 
@@ -447,10 +457,15 @@ class DiskTier(Tier):
             expires = pending[1] + ttl
         if expires is not None and expires <= self.clock():
             with self._txn() as db:
-                removed = _SqlIndex(db).remove_tree(key, "expired")
+                # Again on the write connection, after this process's pending hits were written: the read may
+                # have raced a batch's write (its hits no longer pending, the row not yet refreshed).
+                now = db.execute("SELECT expires FROM entries WHERE key = ?", (key,)).fetchone()
+                expired = now is not None and now[0] is not None and now[0] <= self.clock()
+                removed = _SqlIndex(db).remove_tree(key, "expired") if expired else []
                 self._count_removed(db, removed)
             self._unlink_removed(removed)
-            return None
+            if expired:
+                return None
         try:
             fd = os.open(self._entries_prefix + file, os.O_RDONLY | getattr(os, "O_BINARY", 0))  # (not inherited: PEP 446)
             try:
@@ -518,8 +533,9 @@ class DiskTier(Tier):
             hand = not self._flush_queued
             self._flush_queued = True
             urgent = len(self._hits) >= FLUSH_HITS
-        if hand or urgent:
-            _FLUSHER.add(self, 0.0 if urgent else FLUSH_AFTER_S)
+        if (hand or urgent) and not _FLUSHER.add(self, 0.0 if urgent else FLUSH_AFTER_S):
+            with self._count_lock:
+                self._flush_queued = False  # no thread: the next hit tries again
         entry.hits, entry.created, entry.last_hit = hits + 1, created, now
         return entry
 
@@ -781,41 +797,38 @@ class DiskTier(Tier):
 
 
 class _Flusher:
-    """One daemon thread per process that writes disk tiers' due batches of hit counts, at the lowest
-    CPU priority: between requests as a rule, and never at the start of one."""
+    """One daemon thread per process, started by the first hit, that writes disk tiers' due batches of hit
+    counts at the lowest CPU priority: between requests as a rule, and never at the start of one."""
 
     def __init__(self) -> None:
+        self._reset()
+        # Held while a batch is written, and by fork() (see _forking): a child never inherits a tier's
+        # lock held by this thread, which does not exist in the child to release it.
+        self.writing = threading.Lock()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._queue: dict[int, tuple[weakref.ref[DiskTier], float]] = {}  # id -> (tier, due at)
+        self._queue: weakref.WeakKeyDictionary[DiskTier, float] = weakref.WeakKeyDictionary()  # tier -> due at
         self._pid = -1
 
-    def ready(self) -> bool:
-        """Start this process's thread if it is not running (first use, or a child after fork); False if
-        no thread can be had (batches then go out with the next write, flush or close)."""
+    def add(self, tier: DiskTier, delay: float) -> bool:
+        """Write ``tier``'s batch in ``delay`` seconds (or sooner, if it is already due sooner; never before
+        ``tier``'s retry time). False if no thread can be had: batches then go out with the next write or close."""
         with self._lock:
-            return self._started()
-
-    def _started(self) -> bool:
-        if self._pid != os.getpid():
-            self._queue.clear()
-            try:
-                threading.Thread(target=self._run, name="promptstore-flusher", daemon=True).start()
-            except RuntimeError:
-                return False
-            self._pid = os.getpid()
-        return True
-
-    def add(self, tier: DiskTier, delay: float) -> None:
-        """Write ``tier``'s batch in ``delay`` seconds (or sooner, if it is already due sooner)."""
-        with self._lock:
-            if not self._started():
-                return
-            due = time.monotonic() + delay
-            held = self._queue.get(id(tier))
-            if held is None or due < held[1]:
-                self._queue[id(tier)] = (weakref.ref(tier), due)
+            if self._pid != os.getpid():
+                try:
+                    threading.Thread(target=self._run, name="promptstore-flusher", daemon=True).start()
+                except RuntimeError:
+                    return False
+                self._pid = os.getpid()
+            due = max(time.monotonic() + delay, tier._retry_at)
+            held = self._queue.get(tier)
+            if held is not None and held <= due:
+                return True
+            self._queue[tier] = due
         self._wake.set()  # the thread may be waiting for a later one
+        return True
 
     def _run(self) -> None:
         from .._writer import background_priority
@@ -824,22 +837,43 @@ class _Flusher:
         while True:
             with self._lock:
                 now = time.monotonic()
-                ready = [ref for ref, due in self._queue.values() if due <= now]
-                self._queue = {k: v for k, v in self._queue.items() if v[1] > now}
-                wait = min((due for _, due in self._queue.values()), default=now + 60.0) - now
-            for ref in ready:
-                tier = ref()
-                if tier is not None:
-                    try:
-                        tier._background_flush()
-                    except Exception:  # noqa: BLE001 - counts are bookkeeping: the next write or close tries again
-                        pass
-            if not ready:
-                self._wake.wait(wait)
-                self._wake.clear()
+                ready = [tier for tier, due in self._queue.items() if due <= now]
+                for tier in ready:
+                    del self._queue[tier]
+                wait = min(self._queue.values(), default=now + 60.0) - now
+            self._write(ready)
+            del ready  # a closed tier is not kept alive by this thread
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _write(self, tiers: list[DiskTier]) -> None:
+        for tier in tiers:
+            try:
+                with self.writing:
+                    tier._background_flush()
+            except Exception:  # noqa: BLE001 - counts are bookkeeping: the next write or close tries again
+                pass
+
+    def forking(self) -> None:
+        self.writing.acquire()
+
+    def forked_parent(self) -> None:
+        self.writing.release()
+
+    def forked_child(self) -> None:
+        """In a child after fork: no thread yet, nothing queued; every tier's locks fresh and its batch empty
+        (the parent's hits are the parent's to write: written by both, they would count twice)."""
+        self.writing = threading.Lock()
+        self._reset()
+        for tier in list(_TIERS):
+            tier._forked()
 
 
+_TIERS: weakref.WeakSet[DiskTier] = weakref.WeakSet()
 _FLUSHER = _Flusher()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_FLUSHER.forking, after_in_parent=_FLUSHER.forked_parent,
+                        after_in_child=_FLUSHER.forked_child)
 
 _IOV_MAX = 1024
 _HASH_RUN = 1 << 20  # hash what was just read while it is still in the CPU's cache
