@@ -605,8 +605,9 @@ def test_a_clip_label_hits_whatever_the_longest_label_of_the_call(tokenizers, st
 
 @pytest.mark.parametrize("where", ["hook", "pre_hook", "base_hook", "forward"])
 def test_owl_with_a_users_hook_or_patch_on_the_detectors_forward_equals_the_plain_call(where, tokenizers, store):
-    """The served OWL path calls the detector's parts around its forward: a hook or patch there makes it run the
-    model's own forward (the text tower still served)."""
+    """A hook or patch on the detector (or the base model holding its text tower) sees what the text tower returned,
+    whole in the plain call: the forward then runs as transformers' own, text tower included (a stand-in's output
+    would carry the pooled rows only; see test_a_users_hook_on_the_model_that_reads_what_the_text_tower_returned_gets_it)."""
     model, images = detector("owlv2")
     if where == "hook":
         model.register_forward_hook(lambda module, args, out: (setattr(out, "logits", out.logits * 0.5), out)[1])
@@ -628,7 +629,7 @@ def test_owl_with_a_users_hook_or_patch_on_the_detectors_forward_equals_the_plai
     same_scores(served(pic, **call), want, atol=1e-5)
     with Counting(model.owlv2.text_model.embeddings) as runs:
         same_scores(served(pic, **call), want, atol=1e-5)
-    assert runs.rows == 0  # the text tower is still served
+    assert runs.rows == len(LABELS)  # one forward per label, as transformers' pipeline runs it
 
 
 def test_grounding_dinos_mask_function_is_part_of_the_text_sides_name(store, monkeypatch):
@@ -750,3 +751,47 @@ def test_owl_with_a_wrapped_class_forward_or_a_stateful_image_side_hook_equals_t
         same_scores(served(pic, **call), want, atol=1e-5)
     else:
         same_scores(served(pic, **call), plain(pic, **call), atol=1e-5)
+
+
+@pytest.mark.parametrize("task,family", [(CLASSIFY, "clip"), (DETECT, "owlv2")])
+def test_a_pipeline_handed_another_model_serves_that_model(task, family, tokenizers, store):
+    """``pipe.model = other`` (transformers' pipelines read ``self.model`` at each call): the text side is that
+    model's, named and served as its own. A detector kept the first model's text tower and ran the second's heads
+    on it (OWLv2 scores off by 0.03, other labels first)."""
+    make = classifier if task == CLASSIFY else detector
+    (first, images), (second, _) = make(family, seed=0), make(family, seed=1)
+    args = dict(tokenizer=tokenizers["classify" if task == CLASSIFY else "detect"], image_processor=images)
+    call = dict(candidate_labels=LABELS, **({} if task == CLASSIFY else {"threshold": 0.0, "top_k": 10}))
+    picture = pictures(1)[0]
+    served = pipeline(task, store=store, model=first, **args)
+    same_scores(served(picture, **call), transformers_pipeline(task, model=first, **args)(picture, **call), atol=1e-5)
+    served.model = second
+    want = transformers_pipeline(task, model=second, **args)(picture, **call)
+    with Counting(text_tower(second).embeddings) as runs:
+        same_scores(served(picture, **call), want, atol=1e-5)
+    assert runs.rows == len(LABELS)  # the second model's own rows, encoded and stored
+    with Counting(text_tower(second).embeddings) as runs:
+        same_scores(served(picture, **call), want, atol=1e-5)
+    assert runs.rows == 0
+
+
+@pytest.mark.parametrize("reads", ["token_states", "calls_tower"])
+def test_a_users_hook_on_the_model_that_reads_what_the_text_tower_returned_gets_it(reads, tokenizers, store):
+    """A hook on the model (which holds the text tower) sees the tower's whole output, as in the plain call: the
+    forward runs as transformers' own. The stand-in's output carries the pooled rows only: such a hook failed
+    (AttributeError on the token states), and one calling the tower got the stand-in's answer."""
+    model, images = classifier("clip")
+    seen: list = []
+
+    def hook(module, args, kwargs, out):
+        if reads == "token_states":
+            seen.append(out.text_model_output.last_hidden_state.sum().item())
+        else:
+            seen.append(module.text_model(input_ids=kwargs["input_ids"],
+                                          attention_mask=kwargs["attention_mask"]).last_hidden_state.sum().item())
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    served, picture, want = served_and_plain(model, images, tokenizers, store)
+    for _ in range(2):
+        same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
+    assert len(seen) == 3 and seen[1] == pytest.approx(seen[0], rel=1e-5) and seen[2] == pytest.approx(seen[0], rel=1e-5)

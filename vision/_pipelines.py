@@ -102,6 +102,40 @@ def pipeline(task: str, model: Any = None, *, store: PromptStore | None = None, 
     return pipe
 
 
+def _side(pipe: Any, families: dict[str, str]) -> _TextSide | None:
+    """The pipeline's text side for the model it holds now (a user may hand it another: ``pipe.model = ...``),
+    or None where that model's text side is not served (the call then runs as transformers' own)."""
+    side: _TextSide = pipe._promptstore
+    model = pipe.model
+    if model is side.model:
+        return side
+    family = getattr(getattr(model, "config", None), "model_type", "")
+    if family not in families:
+        return None
+    pipe._promptstore = side = _TextSide(model, families[family], side.store)
+    return side
+
+
+def _stand_in_unseen(model: Any, path: str) -> bool:
+    """Whether only the model's own code sees what its text tower returns during a forward: no global module
+    hook, and no user's hook or patched forward on a module that holds the tower. The stand-in returns what
+    the store holds (the pooled rows, or the token states), not every field of the tower's output: a hook
+    there may read another, or call the tower itself."""
+    import torch
+
+    if _hooks((), global_too=True):
+        return False
+    holders, owner = [model], model
+    for part in path.split(".")[:-1]:
+        owner = getattr(owner, part)
+        holders.append(owner)
+    for m in holders:
+        if (_users_hook(_hooks([m])) or type(m).__call__ is not torch.nn.Module.__call__ or "forward" in vars(m)
+                or not _transformers_code(getattr(type(m), "forward", None))):
+            return False
+    return True
+
+
 def _attr(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -221,7 +255,7 @@ class _TextSide:
 
         ids = model_inputs["input_ids"]
         types = model_inputs.get("token_type_ids")
-        if ids.shape[0] != 1:
+        if ids.shape[0] != 1 or not _stand_in_unseen(self.model, self.path):
             with torch.no_grad():
                 return self.model(**model_inputs)
         recipes = Recipes(self.store, fingerprint)
@@ -338,6 +372,7 @@ def _served_module() -> Any:
             self.pooled, self.hidden, self.original = pooled, hidden, original
             self.inputs = inputs  # (input_ids, attention_mask, token_type_ids) the rows were made from
             self.thread = threading.get_ident()
+            self.answered = False  # the model's forward calls the tower once: a later call is someone else's
             self.training = original.training  # as read by a hook (not train(): that would set the tower's own parts)
 
         def __getattr__(self, name: str) -> Any:
@@ -350,9 +385,10 @@ def _served_module() -> Any:
             return self.get_submodule("original").state_dict(*args, **kwargs)
 
         def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self.thread or not self._as_made(input_ids, args, kwargs):
-                # The model called elsewhere meanwhile, or with inputs a hook changed: its own tower.
+            if self.answered or threading.get_ident() != self.thread or not self._as_made(input_ids, args, kwargs):
+                # The model called elsewhere meanwhile, with inputs a hook changed, or the tower called again: itself.
                 return self.original(input_ids, *args, **kwargs)
+            self.answered = True
             rows = (self.pooled if self.pooled is not None else self.hidden).shape[0]
             if input_ids is None or input_ids.shape[0] != rows:
                 raise RuntimeError("promptstore: the served text tower was called with another batch")
@@ -516,7 +552,10 @@ class _Classifier:
         candidate_labels = model_inputs.pop("candidate_labels")
         text_inputs = model_inputs.pop("text_inputs")
         text_inputs = text_inputs[0] if isinstance(text_inputs[0], UserDict) else text_inputs[0][0]
-        side = self._promptstore
+        side = _side(self, CLASSIFIER_FAMILIES)
+        if side is None or not _stand_in_unseen(self.model, side.path):  # type: ignore[attr-defined]
+            outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]  # transformers' own call
+            return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
         pooled = side.pooled(text_inputs["input_ids"], text_inputs.get("attention_mask"))
         with side.serving(pooled, ids=text_inputs["input_ids"], mask=text_inputs.get("attention_mask")):
             outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]
@@ -539,11 +578,13 @@ class _Detector:
             yield {**model_inputs, _CALL: call}
 
     def _forward(self, model_inputs: Any) -> Any:
+        call = model_inputs.pop(_CALL, None)
+        side = _side(self, DETECTOR_FAMILIES)
+        if side is None:
+            return super(type(self), self)._forward(model_inputs)  # type: ignore[misc]
         target_size = model_inputs.pop("target_size")
         candidate_label = model_inputs.pop("candidate_label")
         is_last = model_inputs.pop("is_last")
-        side = self._promptstore
-        call = model_inputs.pop(_CALL, None)
         if call is None or isinstance(call, list):  # inputs not from preprocess, or a batch of several labels
             call = object()
         fingerprint = side.call_fingerprint(call)
@@ -583,6 +624,9 @@ class _Detector:
 
         model = self.model  # type: ignore[attr-defined]
         side = self._promptstore
+        if not _stand_in_unseen(model, side.path):
+            with torch.no_grad():
+                return dict(model(**model_inputs))  # transformers' own call
         input_ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
         pixel_values = model_inputs["pixel_values"]
         pooled = side.pooled(input_ids, mask, fingerprint)
