@@ -795,3 +795,22 @@ def test_a_users_hook_on_the_model_that_reads_what_the_text_tower_returned_gets_
     for _ in range(2):
         same_scores(served(picture, candidate_labels=LABELS), want, atol=1e-5)
     assert len(seen) == 3 and seen[1] == pytest.approx(seen[0], rel=1e-5) and seen[2] == pytest.approx(seen[0], rel=1e-5)
+
+
+def test_a_text_tower_that_draws_random_numbers_is_computed_every_call_and_nothing_of_it_stored(tokenizers, store):
+    """A hook that adds noise to the tower's output: each call is one draw, so nothing is stored and every call
+    equals the plain pipeline's under the same seed (its first call's noise was served to every later seed)."""
+    model, images = classifier("clip")
+    model.text_model.register_forward_hook(
+        lambda module, args, out: (setattr(out, "pooler_output", out.pooler_output + torch.randn_like(out.pooler_output)), out)[1])
+    args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
+    plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
+    picture = pictures(1)[0]
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        want = plain(picture, candidate_labels=LABELS)
+        torch.manual_seed(seed)
+        with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+            got = served(picture, candidate_labels=LABELS)
+        same_scores(got, want, atol=1e-5)
+    assert store.ls() == []

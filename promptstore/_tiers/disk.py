@@ -802,7 +802,7 @@ class _Flusher:
 
     def __init__(self) -> None:
         self._reset()
-        # Held while a batch is written, and by fork() (see _forking): a child never inherits a tier's
+        # Held while a batch is written, and by fork() (see forking): a child never inherits a tier's
         # lock held by this thread, which does not exist in the child to release it.
         self.writing = threading.Lock()
 
