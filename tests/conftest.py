@@ -120,6 +120,21 @@ def key_of(i: int | str) -> bytes:
     return make_key("test", str(i))
 
 
+def run_forked(target, timeout: float = 60) -> int | None:
+    """Run ``target`` in a child forked from this process (what it inherits is what a test checks): its exit
+    code, or None if it still ran after ``timeout`` seconds (it is then killed)."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("fork").Process(target=target)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return None
+    return proc.exitcode
+
+
 def run_python(code: str, *args: str, env: dict | None = None, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (a real separate process).

@@ -22,7 +22,7 @@ from promptstore.errors import (
     UnsupportedDtypeError,
 )
 
-from conftest import assert_same_tensors, run_python
+from conftest import assert_same_tensors, run_forked, run_python
 
 
 @pytest.fixture
@@ -479,7 +479,6 @@ def test_a_process_forked_while_hit_counts_are_written_uses_the_store_and_counts
     """A child forked while the flusher thread holds the tier's locks (mid-write) would inherit them held, with no
     thread to release them: its first read hung. Fork waits for the write; the child starts with fresh locks,
     none of the parent's pending hits (both would write them), and a flusher of its own, which writes its hits."""
-    import multiprocessing
     import os
     import time
 
@@ -500,13 +499,7 @@ def test_a_process_forked_while_hit_counts_are_written_uses_the_store_and_counts
         time.sleep(1.5)  # the child's flusher writes its three hits
         os._exit(0 if ok else 3)  # as a worker process ends: no close, no exit handlers
 
-    proc = multiprocessing.get_context("fork").Process(target=child)
-    proc.start()
-    proc.join(30)
-    hung = proc.is_alive()
-    if hung:
-        proc.kill()
-    assert not hung and proc.exitcode == 0
+    assert run_forked(child, 30) == 0  # (None: it hung)
     store.close()
     view = PromptStore(tmp_path / "s", memory_bytes=0)
     assert {i.key: i.hits for i in view.ls("t")}[bytes(key)] == stored + 1 + 3
@@ -540,7 +533,6 @@ def test_a_process_forked_with_hits_pending_writes_its_own_and_not_its_parents(t
     """A child forked before the parent's batch was written inherits it: writing it would count the parent's hits
     twice, and a batch marked as handed to a flusher (the parent's, absent in the child) kept the child's own hits
     from ever being handed to one."""
-    import multiprocessing
     import os
     import time
 
@@ -558,10 +550,7 @@ def test_a_process_forked_with_hits_pending_writes_its_own_and_not_its_parents(t
         time.sleep(2.0)  # the child's flusher writes what it holds
         os._exit(0 if ok else 3)  # as a worker process ends: no close, no exit handlers
 
-    proc = multiprocessing.get_context("fork").Process(target=child)
-    proc.start()
-    proc.join(30)
-    assert proc.exitcode == 0
+    assert run_forked(child, 30) == 0
     store.close()
     view = PromptStore(tmp_path / "s", memory_bytes=0)
     assert {i.key: i.hits for i in view.ls("t")}[bytes(key)] == stored + 1 + 3

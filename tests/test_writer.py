@@ -14,6 +14,8 @@ import pytest
 from promptstore import PromptStore
 from promptstore.errors import InvalidEntryError
 
+from conftest import run_forked
+
 
 def _block_disk_puts(store: PromptStore) -> threading.Event:
     """Make the store's disk tier wait for the returned event before each put (the write, not a stand-in)."""
@@ -117,7 +119,6 @@ def test_a_process_killed_with_puts_queued_leaves_whole_entries_or_none(tmp_path
 def test_a_forked_child_writes_with_a_writer_of_its_own(tmp_path):
     """A child forked after the parent's writer started inherits its executor without its thread; it must start
     its own, or its background puts would never be written and its reads of them would wait forever."""
-    import multiprocessing
     import os
 
     with PromptStore(tmp_path / "s", memory_bytes=0) as store:
@@ -131,12 +132,7 @@ def test_a_forked_child_writes_with_a_writer_of_its_own(tmp_path):
             store.flush()
             os._exit(0 if ok else 3)
 
-        proc = multiprocessing.get_context("fork").Process(target=child)
-        proc.start()
-        proc.join(60)
-        if proc.exitcode is None:
-            proc.kill()
-        assert proc.exitcode == 0
+        assert run_forked(child, 60) == 0
         assert np.array_equal(store.get(store.key("t", "child")).tensors["x"], np.ones(3, np.float32))
 
 
@@ -197,7 +193,6 @@ def test_a_later_job_queued_from_a_job_runs_at_once(tmp_path):
 def test_a_process_forked_while_a_later_job_waits_does_not_wait_for_it_and_runs_its_own(tmp_path):
     """The parent's job runs on the parent's writer: a child forked before it ran returns from waiting on its
     future at once (waiting would never end there), and its own jobs and puts run and land."""
-    import multiprocessing
     import os
 
     with PromptStore(tmp_path / "s", memory_bytes=0) as store:
@@ -212,14 +207,9 @@ def test_a_process_forked_while_a_later_job_waits_does_not_wait_for_it_and_runs_
             store.flush()
             os._exit(0 if ran == [1] and store.get(store.key("t", "child")) is not None else 3)
 
-        proc = multiprocessing.get_context("fork").Process(target=child)
-        proc.start()
-        proc.join(60)
-        alive = proc.is_alive()
-        if alive:
-            proc.kill()
+        code = run_forked(child, 60)
         gate.set()
-        assert not alive and proc.exitcode == 0
+        assert code == 0  # (None: it hung)
         assert parent_job.result(10) is None and parent_job.done()
 
 
