@@ -265,7 +265,7 @@ class _TextSide:
 
         ids = model_inputs["input_ids"]
         types = model_inputs.get("token_type_ids")
-        if ids.shape[0] != 1 or not _stand_in_unseen(self.model, self.path):
+        if ids.shape[0] != 1:
             with torch.no_grad():
                 return self.model(**model_inputs)
         recipes = Recipes(self.store, fingerprint)
@@ -600,8 +600,8 @@ class _Detector:
     def _forward(self, model_inputs: Any) -> Any:
         call = model_inputs.pop(_CALL, None)
         side = _side(self, DETECTOR_FAMILIES)
-        if side is None:
-            return super(type(self), self)._forward(model_inputs)  # type: ignore[misc]
+        if side is None or not _stand_in_unseen(self.model, side.path):  # type: ignore[attr-defined]
+            return super(type(self), self)._forward(model_inputs)  # type: ignore[misc]  # transformers' own, unnamed
         target_size = model_inputs.pop("target_size")
         candidate_label = model_inputs.pop("candidate_label")
         is_last = model_inputs.pop("is_last")
@@ -644,9 +644,6 @@ class _Detector:
 
         model = self.model  # type: ignore[attr-defined]
         side = self._promptstore
-        if not _stand_in_unseen(model, side.path):
-            with torch.no_grad():
-                return dict(model(**model_inputs))  # transformers' own call
         input_ids, mask = model_inputs["input_ids"], model_inputs.get("attention_mask")
         pixel_values = model_inputs["pixel_values"]
         pooled = side.pooled(input_ids, mask, fingerprint)
