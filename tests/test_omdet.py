@@ -221,3 +221,22 @@ def test_a_copy_of_a_served_detector_serves_itself(processor, store):
     again, rows = detect(model, batch)
     assert rows == 0
     same(again, first)
+
+
+def test_a_language_backbone_that_draws_random_numbers_is_kept_in_process_as_transformers_keeps_it_and_not_stored(
+        processor, store):
+    """Each forward equals the plain detector's under the same seed (whose own cache keeps a draw in the process,
+    as the served one does); nothing reaches the store, so another process draws its own."""
+    batch = inputs(processor)
+    plain_model, model = build(), serve_omdet(build(), store)
+    for m in (plain_model, model):
+        m.language_backbone.model.final_layer_norm.register_forward_hook(
+            lambda m, args, out: out + 0.1 * torch.randn_like(out))
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        want, _ = detect(plain_model, batch)
+        torch.manual_seed(seed)
+        with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+            got, _ = detect(model, batch)
+        same(got, want)
+    assert store.ls() == []

@@ -814,3 +814,20 @@ def test_a_text_tower_that_draws_random_numbers_is_computed_every_call_and_nothi
             got = served(picture, candidate_labels=LABELS)
         same_scores(got, want, atol=1e-5)
     assert store.ls() == []
+
+
+def test_a_grounding_dino_text_backbone_that_draws_random_numbers_is_computed_every_call_and_nothing_stored(store):
+    model, tokenizer, images = grounding()
+    model.model.text_backbone.encoder.layer[-1].output.LayerNorm.register_forward_hook(
+        lambda m, args, out: out + 0.1 * torch.randn_like(out))
+    args = dict(model=model, tokenizer=tokenizer, image_processor=images)
+    plain, served = transformers_pipeline(DETECT, **args), pipeline(DETECT, store=store, **args)
+    picture, call = pictures(1)[0], dict(candidate_labels=LABELS, threshold=0.0, top_k=20)
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        want = plain(picture, **call)
+        torch.manual_seed(seed)
+        with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+            got = served(picture, **call)
+        same_scores(got, want, atol=1e-5)
+    assert store.ls() == []

@@ -222,3 +222,26 @@ def test_text_ultralytics_encodes_is_served_as_it_encodes_it(sam3, served, promp
     assert rows == 0
     assert served.names == want[1] and type(served.names) is type(prompts)
     same((got[0], want[1]), want)
+
+
+def test_a_text_encoder_that_draws_random_numbers_equals_ultralytics_under_each_seed_and_stores_nothing(sam3, served,
+                                                                                                      store):
+    """A hook adding noise: each call is one draw (the first one was stored and served to every later seed)."""
+    model, _ = sam3
+    handle = model.backbone.language_backbone.encoder.ln_final.register_forward_hook(
+        lambda m, args, out: out + 0.1 * torch.randn_like(out))
+    try:
+        got_first = None
+        for seed in (0, 1, 2):
+            torch.manual_seed(seed)
+            want = stock(sam3, PROMPTS + PROMPTS[:1])  # a repeated prompt is its own draw, as ultralytics encodes it
+            torch.manual_seed(seed)
+            with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+                got = encoded(served, PROMPTS + PROMPTS[:1])[:2]
+            same(got, want)
+            if got_first is None:
+                got_first = got
+        assert (got_first[0]["language_features"] - got[0]["language_features"]).abs().max().item() > 1e-3
+    finally:
+        handle.remove()
+    assert store.ls() == []

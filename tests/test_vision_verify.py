@@ -139,3 +139,105 @@ def test_the_error_of_unit_norm_features_is_relative():
     assert feature_error(a, b) == pytest.approx(1e-6, rel=1e-6)
     half = a * 0.5
     assert feature_error(half, half * (1 + 1e-5)) == pytest.approx(1e-5, rel=1e-6)
+
+
+# A text side that draws random numbers (a user's hook adding noise, a layer that samples): what it computes is one
+# draw, so nothing of it is stored and every call equals the plain call under the same seed (before the check, the
+# first call's draw was stored and served to every later seed).
+
+def noisy(module) -> None:
+    """A hook that adds noise drawn from torch's generator to ``module``'s output."""
+    module.register_forward_hook(lambda m, args, out: out + 0.1 * torch.randn_like(out))
+
+
+def draws_each_seed(plain, served) -> list:
+    """Per seed, the plain call and the served one from the same generator state: their results, side by side."""
+    pairs = []
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        want = plain()
+        torch.manual_seed(seed)
+        with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+            got = served()
+        pairs.append((got, want))
+    return pairs
+
+
+def test_a_zero_shot_classifier_whose_tower_draws_random_numbers_equals_open_clip_and_stores_nothing(store):
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    noisy(model.ln_final)
+    pairs = draws_each_seed(lambda: build_zero_shot_classifier(model, tok, CLASSES, TEMPLATES),
+                            lambda: zeroshot_module.zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store))
+    for got, want in pairs:
+        assert (got - want).abs().max().item() <= 1e-5
+    assert (pairs[0][0] - pairs[1][0]).abs().max().item() > 1e-3  # each seed its own draw
+    assert store.ls() == []
+
+
+def test_set_classes_over_an_encoder_that_draws_random_numbers_stores_nothing(store):
+    encoder = OpenCLIPTextEncoder("ViT-B-32", seed=0)
+    encoder.encode(["warm"])  # built: a hook goes on the tower it runs
+    noisy(encoder._model.ln_final)
+    torch.manual_seed(0)
+    model = YOLOE("yoloe-11s-seg.yaml")
+    names = ["forklift", "pallet", "ladder"]
+
+    def plain():
+        with torch.no_grad():
+            return model.model.model[-1].get_tpe(torch.from_numpy(encoder.encode(names))[None])
+
+    def served():
+        report = set_classes(model, names, store=store, encoder=encoder)
+        assert report.misses == len(names)
+        return model.model.pe.clone()
+
+    pairs = draws_each_seed(plain, served)
+    for got, want in pairs:
+        assert (got - want).abs().max().item() <= 1e-5
+    assert (pairs[0][0] - pairs[1][0]).abs().max().item() > 1e-4
+    assert store.ls() == []
+
+
+def test_owl_queries_from_a_tower_that_draws_random_numbers_equal_the_plain_call_and_store_nothing(store, clip_tokenizer):
+    model, processor = build("owlv2", clip_tokenizer)
+    noisy(model.owlv2.text_model.final_layer_norm)
+    imgs = images(1)  # the plain call encodes the queries once per image: over two, each image its own draw
+    pairs = draws_each_seed(lambda: plain(model, processor, QUERIES, imgs),
+                            lambda: owl_detect(model, processor, QUERIES, images=imgs, store=store))
+    for got, want in pairs:
+        assert (got.logits - want.logits).abs().max().item() <= 1e-4
+    assert (pairs[0][0].logits - pairs[1][0].logits).abs().max().item() > 1e-4
+    assert store.ls() == []
+
+
+def test_a_tower_that_does_not_draw_keeps_the_callers_generators_as_the_plain_call_leaves_them(store):
+    """A miss over a deterministic tower leaves torch's, numpy's and Python's generators where they were."""
+    import random
+
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32", pretrained=None).eval()
+    tok = open_clip.get_tokenizer("ViT-B-32")
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    got, caught = _warnings(lambda: zeroshot_module.zero_shot_classifier(model, tok, CLASSES, TEMPLATES, store=store))
+    assert not caught and store.ls() != []
+    after = (torch.rand(1).item(), np.random.rand(), random.random())
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    assert after == (torch.rand(1).item(), np.random.rand(), random.random())
+
+
+def test_draws_from_numpys_or_pythons_generator_are_seen_too(store):
+    import random
+
+    from promptstore.vision._verify import Drew, Generators
+
+    for draw in (lambda: np.random.rand(), lambda: random.random(), lambda: torch.rand(1)):
+        before = Generators()
+        assert not before.moved()
+        want = (draw(), before.restore())[0]  # drawn, then put back: the same number comes again
+        assert not before.moved()
+        draw()
+        with pytest.raises(Drew):
+            before.check("a draw")
+        assert not before.moved() and float(draw()) == float(want)

@@ -27,7 +27,7 @@ from promptstore import PromptStore, make_key
 from promptstore.errors import InvalidInputError, ModelUnavailableError, PromptStoreError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
-from ._verify import Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_feature, warn_refuted
 
 __all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
            "TEXT_KIND", "PE_KIND", "SET_KIND", "NPZ_KIND"]
@@ -221,10 +221,12 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
         ``(features, seconds per name)``, in the order of ``names``.
 
     Raises:
-        Refuted: the probe's feature differs from what the encoder computes now.
+        Refuted: the probe's feature differs from what the encoder computes now; :class:`Drew`: the encoder
+            drew random numbers (the generators are put back as they stood before it first ran).
     """
     feats = np.empty((len(names), encoder.dim), np.float32)
     cost = np.zeros(len(names))
+    drawn = Generators()
     chunk = max(2 * int(getattr(encoder, "batch", 64)), 1)  # the encoder's own bar stays off at this size
     bar = tqdm(total=len(names), desc="promptstore: encoding class names", unit="name", leave=False,
                disable=None if len(names) > chunk else True)
@@ -234,6 +236,11 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
         t0 = time.perf_counter()
         out = encoder.encode([probe[0], *part] if checked and probe is not None else part)
         each = (time.perf_counter() - t0) / (len(part) + checked)
+        try:
+            drawn.check("the text encoder")
+        except Refuted:
+            bar.close()
+            raise
         if checked:
             assert probe is not None
             check_feature(probe[0], probe[1], out[0])
@@ -412,6 +419,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     # The encoder and the head run anyway: each also recomputes one stored entry, and a stored
     # entry that differs from what they compute now is never served (see _verify.py).
     hits = [i for i in range(len(names)) if i not in set(need_pe)]
+    drawn = Generators()
     try:
         if need_text:
             probe = _stored_text(names, [i for i in need_pe if i not in set(need_text)], text, hits, keys, encoder.dim)
@@ -429,6 +437,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
                 with torch.inference_mode():
                     x = torch.from_numpy(np.ascontiguousarray(rows, np.float32))[None].to(param.device, param.dtype)
                     mapped = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
+                drawn.check("the detector's text head")
                 if probe_pe is not None:
                     check_feature(names[probe_pe[0]], pe[probe_pe[0]], mapped[-1])
                     mapped = mapped[:-1]

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from promptstore.cli import open_store
-from promptstore.errors import InvalidInputError
+from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, encode_and_store, set_classes
 from ._encoders import OpenCLIPTextEncoder, TextEncoder, UltralyticsTextEncoder
+from ._verify import Drew
 
 
 def read_names(spec: str) -> list[str]:
@@ -128,7 +129,10 @@ def _run(args: argparse.Namespace) -> tuple[Any, str, int]:
             keys = [recipes.text(n) for n in names]
             todo = [n for n, k in zip(names, keys, strict=True) if k not in store]
             if todo:
-                encode_and_store(encoder, todo, recipes)  # each finished chunk is stored: Ctrl-C keeps it
+                try:
+                    encode_and_store(encoder, todo, recipes)  # each finished chunk is stored: Ctrl-C keeps it
+                except Drew as exc:
+                    raise UnsupportedModelError(f"{args.encoder}: {exc}: its features cannot be stored") from None
             encoded, hits = len(todo), len(names) - len(todo)
     seconds = time.perf_counter() - t0
     data = {"names": len(names), "encoded": encoded, "already_stored": hits, "seconds": seconds,

@@ -277,14 +277,15 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
             import torch
 
             try:
-                if self.pretrained is None:
-                    # The caller's random stream is left as it was.
-                    with torch.random.fork_rng(devices=[]):
+                # The caller's random stream is left as it was (open_clip initialises every layer at random,
+                # checkpoint or not): building the tower is not a draw of the encoder's (_verify.Generators).
+                with torch.random.fork_rng(devices=[]):
+                    if self.pretrained is None:
                         torch.manual_seed(self.seed)
                         model = _random_text_tower(self._cfg).to(self.device)
-                else:
-                    model = self._load_file(lambda: open_clip.create_model(self.model_name, pretrained=str(self.pretrained),
-                                                                           device=self.device))
+                    else:
+                        model = self._load_file(lambda: open_clip.create_model(
+                            self.model_name, pretrained=str(self.pretrained), device=self.device))
             except RuntimeError as exc:
                 raise ModelUnavailableError(f"cannot load open_clip weights {self.pretrained!r}: {exc}") from exc
             self._model = model.eval()

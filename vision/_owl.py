@@ -19,7 +19,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes
-from ._verify import Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_feature, warn_refuted
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
 
@@ -94,17 +94,20 @@ def _query_embeddings(model: Any, processor: Any, queries: list[str], store: Pro
     if probe is not None:
         missing = [probe, *missing]
     if missing:
+        drawn = Generators()
         t0 = time.perf_counter()
         emb = _encode(model, processor, missing)
         each = (time.perf_counter() - t0) / len(missing)
         host = emb.float().cpu().numpy()
-        if probe is not None:
-            try:
+        try:
+            drawn.check("the text tower")
+            if probe is not None:
                 check_feature(probe, found[probe], host[0])
-            except Refuted as exc:
-                warn_refuted("owl_detect", exc)
-                dtype = next(model.parameters()).dtype
-                return _encode(model, processor, queries).to(dtype=dtype), len(queries)
+        except Refuted as exc:
+            warn_refuted("owl_detect", exc)
+            dtype = next(model.parameters()).dtype
+            return _encode(model, processor, queries).to(dtype=dtype), len(queries)
+        if probe is not None:
             missing, host = missing[1:], host[1:]
         for q, e in zip(missing, host, strict=True):
             store.put(recipes.text(q), {"text": e}, kind=TEXT_KIND, cost_s=each, meta={"name": q, "encoder": recipes.efp})

@@ -47,7 +47,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Refuted, check_feature, warn_refuted
+from ._verify import Drew, Generators, Refuted, check_feature, warn_refuted
 from ._zeroshot import _storable
 
 __all__ = ["pipeline", "CLASSIFIER_FAMILIES", "DETECTOR_FAMILIES"]
@@ -226,16 +226,14 @@ class _TextSide:
         probe = next(iter(found), None) if missing else None
         if missing:
             rows = [firsts[n] for n in ([probe] if probe is not None else []) + missing]
-            drawn = _random_state()
+            drawn = Generators()
             t0 = time.perf_counter()
             fresh = self._encode(input_ids[rows], None if attention_mask is None else attention_mask[rows])
             each = (time.perf_counter() - t0) / len(rows)
-            if _random_state()[0] != drawn[0]:
-                # The tower drew random numbers (a user's hook, a random layer): its rows are one draw, not what
-                # a later call would compute. Computed now, in full, and nothing stored.
-                warnings.warn(f"promptstore: {family}'s text tower drew random numbers: its output is computed "
-                              "on every call and not stored", PromptStoreWarning, stacklevel=3)
-                torch.random.set_rng_state(drawn[1])  # as if the rows above had not been drawn
+            try:
+                drawn.check(f"{family}'s text tower")
+            except Drew as exc:
+                warn_refuted("pipeline", exc)
                 self.encoded += input_ids.shape[0]
                 return self._encode(input_ids, attention_mask)
             self.encoded += len(rows)
@@ -279,6 +277,7 @@ class _TextSide:
                 return self.model(**model_inputs)
         seen: list[Any] = []
         handle = self.tower.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+        drawn = Generators()
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
@@ -286,6 +285,11 @@ class _TextSide:
         finally:
             handle.remove()
         self.encoded += 1
+        if drawn.moved():
+            # The forward drew random numbers (a user's hook; where is not known): this call is the plain one,
+            # and what its backbone returned is one draw, not stored.
+            warn_refuted("pipeline", Drew(f"{self.model.config.model_type}'s forward"))
+            return outputs
         if len(seen) == 1 and seen[0].shape[0] == 1 and self.still(fingerprint):
             self.store.put(recipes.text(name), {"text": _storable(seen[0][0].detach().cpu())}, kind=TEXT_KIND,
                            cost_s=time.perf_counter() - t0, meta={"encoder": recipes.efp})
@@ -316,16 +320,6 @@ class _TextSide:
 # label then hits whatever the longest label of the call). Elsewhere (SigLIP pools the last position, a pad;
 # left padding shifts every position) a row is named by the whole padded row and its mask.
 _EOS_POOLED = {"clip": "eos", "metaclip_2": "eos", "owlvit": "argmax", "owlv2": "argmax"}  # how each pools
-
-
-def _random_state() -> tuple[bytes, Any]:
-    """Torch's generators as they stand, as bytes to compare (the CPU one, and CUDA's where a CUDA context
-    exists), and the CPU one's state to restore."""
-    import torch
-
-    cpu = torch.random.get_rng_state()
-    cuda = b"".join(bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else b""
-    return bytes(cpu.numpy()) + cuda, cpu
 
 
 def _row_names(input_ids: Any, attention_mask: Any | None, pooling: str | None = None,

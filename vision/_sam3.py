@@ -25,7 +25,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
 __all__ = ["serve_sam3"]
@@ -88,6 +88,7 @@ class _Sam3Text:
         recipes = Recipes(self.store, self.fingerprint())
         dtype = self.model.backbone.language_backbone.resizer.weight.dtype
         found: dict[str, dict[str, Any]] = {}
+        rows: list[dict[str, Any]] | None = None  # per prompt, where the store is not used
         for name in dict.fromkeys(names):
             parts = _read(self.store.get(recipes.text(name), kind=TEXT_KIND), dtype)
             if parts is not None:
@@ -96,29 +97,33 @@ class _Sam3Text:
         probe = next(iter(found), None) if missing else None
         if missing:
             batch = ([probe] if probe is not None else []) + missing
+            drawn = Generators()
             t0 = time.perf_counter()
             fresh = self._encode(batch)
             each = (time.perf_counter() - t0) / len(batch)
-            if probe is not None:
-                try:
+            try:
+                drawn.check("SAM 3's text encoder")
+                if probe is not None:
                     check_feature(probe, found[probe]["language_features"].float().numpy(),
                                   fresh[0]["language_features"].float().numpy(), str(dtype))
                     fresh = fresh[1:]
-                except Refuted as exc:
-                    warn_refuted("SAM 3 set_classes", exc)
-                    found = dict(zip(names, self._encode(names), strict=True))
-                    missing, fresh = [], []  # nothing stored from a refuted encoder
+            except Refuted as exc:
+                warn_refuted("SAM 3 set_classes", exc)
+                rows = self._encode(names)  # every prompt, repeats too, as ultralytics' own call encodes them
+                missing, fresh = [], []  # nothing stored from a refuted encoder
             for name, parts in zip(missing, fresh, strict=True):
                 tensors = {k: (_storable(v) if k != "language_mask" else v.numpy().astype(np.uint8))
                            for k, v in parts.items()}
                 self.store.put(recipes.text(name), tensors, kind=TEXT_KIND, cost_s=each,
                                meta={"name": name, "encoder": recipes.efp})
                 found[name] = parts
+        if rows is None:
+            rows = [found[n] for n in names]
         device = self.model.backbone.language_backbone.resizer.weight.device
         self.model.text_embeddings = {
-            "language_features": torch.stack([found[n]["language_features"] for n in names], 1).to(device),
-            "language_mask": torch.stack([found[n]["language_mask"] for n in names], 0).to(device),
-            "language_embeds": torch.stack([found[n]["language_embeds"] for n in names], 1).to(device),
+            "language_features": torch.stack([r["language_features"] for r in rows], 1).to(device),
+            "language_mask": torch.stack([r["language_mask"] for r in rows], 0).to(device),
+            "language_embeds": torch.stack([r["language_embeds"] for r in rows], 1).to(device),
         }
         self.model.names = text  # as ultralytics' set_classes leaves it (a tuple stays one, a string too)
 

@@ -31,7 +31,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
-from ._verify import Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_feature, warn_refuted
 
 __all__ = ["zero_shot_classifier", "CLASS_KIND", "CLASSIFIER_KIND"]
 
@@ -262,7 +262,8 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
     in batches stored as they finish. ``probes``: stored prompts to check if none of ``texts`` is.
 
     Raises:
-        Refuted: a stored feature differs from what the tower computes now.
+        Refuted: a stored feature differs from what the tower computes now; :class:`Drew`: the tower drew
+            random numbers (the generators are put back as they stood before it first ran).
     """
     import torch
 
@@ -285,6 +286,7 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
             break
     bar = tqdm(total=len(missing), desc="promptstore: encoding prompts", unit="prompt", leave=False,
                disable=not use_tqdm)
+    drawn = Generators()
     with torch.no_grad():
         for lo in range(0, len(missing), batch):
             part = missing[lo : lo + batch]
@@ -293,6 +295,11 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
             feats = model.encode_text(tokenizer([probe[0], *part] if checked and probe is not None else part).to(device),
                                       normalize=True).cpu()
             each = (time.perf_counter() - t0) / (len(part) + checked)
+            try:
+                drawn.check("the open_clip text tower")
+            except Refuted:
+                bar.close()
+                raise
             if feats.dtype != dtype or feats.shape[1:] != (dim,):
                 bar.close()
                 raise _NotAsKeyed(f"{feats.dtype} {tuple(feats.shape[1:])}")
