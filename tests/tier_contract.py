@@ -238,3 +238,19 @@ class TierContract:
         assert tier.usage()["entries"] == 1
         assert tier.get(key_of("long")) is not None
         tier.close()
+
+    def test_misses_are_counted_under_the_askers_kind_an_expired_entry_too(self, clock):
+        tier = self.make_tier(MB, clock)
+        if "lifetime" not in tier.usage():
+            tier.close()
+            pytest.skip("this tier keeps no lifetime counts (the store counts its process's misses)")
+        tier.put(make_entry(key_of("short"), ttl_s=1.0, kind="k"))
+        assert tier.get(key_of("nope"), kind="k") is None
+        assert tier.get(key_of("nope")) is None
+        clock.advance(5.0)
+        assert tier.get(key_of("short"), kind="other") is None  # expired: a miss of the kind asked for
+        tier.put(make_entry(key_of("flush")))  # the disk tier writes its counts with a write
+        kinds = tier.usage()["lifetime"]["kinds"]
+        assert kinds["k"]["misses"] == 1 and kinds["unknown"]["misses"] == 1 and kinds["other"]["misses"] == 1
+        assert sum(k.get("hits", 0) for k in kinds.values()) == 0
+        tier.close()

@@ -237,17 +237,21 @@ if redis.call("SCARD", P .. "k:" .. parent) == 0 then leaf_add(parent) end
 return 1
 """
 
-# ARGV: prefix, hex, now, inline_max, grace. Returns nil, or {bytes_or_blob_key, inline(0/1; 2: expired), size, hits,
-# created, XS}
+# ARGV: prefix, hex, now, inline_max, grace, the asker's kind (a miss is counted under it). Returns nil, or
+# {bytes_or_blob_key, inline(0/1; 2: expired), size, hits, created, XS}
 _HIT = _PRELUDE + r"""
 local hex, now = ARGV[2], num(ARGV[3])
 local m = P .. "m:" .. hex
 local f = redis.call("HMGET", m, "blob", "size", "ttl", "expires", "hits", "cost", "created", "kind", "len")
-if not f[1] then return nil end
+if not f[1] then
+  redis.call("HINCRBY", P .. "c:" .. ARGV[6], "misses", 1)
+  return nil
+end
 if f[4] and f[4] ~= "" and num(f[4]) <= now then
   local removed = {}
   remove_tree(hex, removed)
   redis.call("HINCRBY", S, "expirations", #removed)
+  redis.call("HINCRBY", P .. "c:" .. ARGV[6], "misses", 1)
   return {"", 2, 0, 0, 0, XS}
 end
 local size, hits, cost = num(f[2]), num(f[5]) + 1, num(f[6])
@@ -535,12 +539,12 @@ class RedisTier(Tier):
         now = self.clock()
 
         def run() -> Entry | None:
-            reply = self._run("hit", shard, hexkey, repr(now), INLINE_MAX, EXPIRY_GRACE_S)
+            # A miss is counted by the script, in the same round trip.
+            reply = self._run("hit", shard, hexkey, repr(now), INLINE_MAX, EXPIRY_GRACE_S, kind or "unknown")
             if reply is not None and int(reply[1]) == 2:  # expired just now
                 self._follow(reply[5])
                 reply = None
             if reply is None:
-                self._r.hincrby(self._k(shard, "c:", kind or "unknown"), "misses", 1)
                 return None
             payload, inline, size, hits, created, _ = reply
             blob = payload if int(inline) else self._read_chunks(payload, int(size))
