@@ -31,10 +31,11 @@ from promptstore.errors import UnsupportedModelError
 
 from ._ambient import ambient_lines, autocast_active
 from ._modules import active_dropout, forward_intercepted, walk_tree
+from ._random import Generators
 from ._tokenizers import TOKENIZER_FILES, TOKENIZER_IGNORED, record_tokenizer, tokenizer_files
 from ._walk import Unidentifiable, Walk
 
-__all__ = ["reset_memos", "Identity", "classes_identity", "functions_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active", "forward_intercepted",
+__all__ = ["Generators", "reset_memos", "Identity", "classes_identity", "functions_identity", "module_identity", "module_structure", "ambient_identity", "tokenizer_identity", "refuse_random", "autocast_active", "forward_intercepted",
            "load_tokenizer"]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import UnsupportedModelError
 
 from ._buffers import kv_layers
@@ -237,6 +238,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
         tokens = (tokens * (-(-(window + 4) // len(tokens))))[: window + 4]
         pieces = [(0, 3), (3, 4), (4, window), (window, window + 1), (window + 1, window + 4)]
     probe = torch.tensor([tokens], device=model.device)
+    drawn = Generators()
     try:
         with torch.no_grad():
             out = model(probe, use_cache=True)
@@ -268,6 +270,10 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
         stepwise_drift = _stepwise_drift(model, probe, pieces[0][1], cache_arg, output_cache, full_logits)
         stepwise = stepwise_drift <= bound
         drift = min(drift, stepwise_drift)
+    if drawn.moved():
+        drawn.restore()  # the caller's generators as they were: the probe is not a draw of theirs
+        raise UnsupportedModelError(f"{name} draws random numbers in its forward (a hook adding noise, a layer that "
+                                    "samples): each call computes another draw, which no stored KV may stand for")
     if not drift <= bound:
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")

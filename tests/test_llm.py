@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from promptstore import PromptStore
-from promptstore.errors import InvalidInputError, ModelUnavailableError
+from promptstore.errors import InvalidInputError, ModelUnavailableError, UnsupportedModelError
 from promptstore.llm import PrefixCache, load_model
 from promptstore.llm._verify import VERIFY_POSITIONS as CHECKED  # tokens a hit's verification recomputes
 
@@ -1049,3 +1049,26 @@ def test_a_block_longer_than_the_reserve_left_part_way_is_read_into_buffers_that
     _, logits = pc.prefill(second)
     assert pc.stats["last"]["served"] == 100
     assert (logits - full_logits(tiny, second)).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("scale", [0.1, 1e-7], ids=["noise", "noise-below-the-probes-bound"])
+def test_a_model_that_draws_random_numbers_in_its_forward_is_refused_and_its_callers_generator_left_as_it_was(
+        tiny, store, scale):
+    """However small the noise (below what the probe's scores can show), a forward that draws is one draw:
+    refused before anything is stored, whether the hook was there at construction or added later."""
+    noise = tiny.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + scale * torch.randn_like(out))
+    torch.manual_seed(3)
+    with pytest.raises(UnsupportedModelError, match="draws random numbers"):
+        PrefixCache(tiny, store=store)
+    drawn = torch.rand(1).item()
+    torch.manual_seed(3)
+    assert drawn == torch.rand(1).item()
+    noise.remove()
+    cache = PrefixCache(tiny, store=store)  # without the hook: served
+    ids = list(range(5, 45))
+    cache.prefill(ids)
+    noise = tiny.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + scale * torch.randn_like(out))
+    with pytest.raises(UnsupportedModelError, match="draws random numbers"):
+        cache.prefill(ids)
+    noise.remove()
+    assert store.stats()["kinds"]["llm.kv"]["hits"] == 0  # refused before its blocks were looked up

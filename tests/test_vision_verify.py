@@ -230,7 +230,7 @@ def test_a_tower_that_does_not_draw_keeps_the_callers_generators_as_the_plain_ca
 def test_draws_from_numpys_or_pythons_generator_are_seen_too(store):
     import random
 
-    from promptstore.vision._verify import Drew, Generators
+    from promptstore.vision._verify import Drew, Generators, check_draws
 
     for draw in (lambda: np.random.rand(), lambda: random.random(), lambda: torch.rand(1)):
         before = Generators()
@@ -239,5 +239,5 @@ def test_draws_from_numpys_or_pythons_generator_are_seen_too(store):
         assert not before.moved()
         draw()
         with pytest.raises(Drew):
-            before.check("a draw")
+            check_draws(before, "a draw")
         assert not before.moved() and float(draw()) == float(want)

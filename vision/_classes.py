@@ -27,7 +27,7 @@ from promptstore import PromptStore, make_key
 from promptstore.errors import InvalidInputError, ModelUnavailableError, PromptStoreError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
-from ._verify import Generators, Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
            "TEXT_KIND", "PE_KIND", "SET_KIND", "NPZ_KIND"]
@@ -237,7 +237,7 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
         out = encoder.encode([probe[0], *part] if checked and probe is not None else part)
         each = (time.perf_counter() - t0) / (len(part) + checked)
         try:
-            drawn.check("the text encoder")
+            check_draws(drawn, "the text encoder")
         except Refuted:
             bar.close()
             raise
@@ -437,7 +437,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
                 with torch.inference_mode():
                     x = torch.from_numpy(np.ascontiguousarray(rows, np.float32))[None].to(param.device, param.dtype)
                     mapped = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
-                drawn.check("the detector's text head")
+                check_draws(drawn, "the detector's text head")
                 if probe_pe is not None:
                     check_feature(names[probe_pe[0]], pe[probe_pe[0]], mapped[-1])
                     mapped = mapped[:-1]

@@ -19,7 +19,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes
-from ._verify import Generators, Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
 
@@ -100,7 +100,7 @@ def _query_embeddings(model: Any, processor: Any, queries: list[str], store: Pro
         each = (time.perf_counter() - t0) / len(missing)
         host = emb.float().cpu().numpy()
         try:
-            drawn.check("the text tower")
+            check_draws(drawn, "the text tower")
             if probe is not None:
                 check_feature(probe, found[probe], host[0])
         except Refuted as exc:

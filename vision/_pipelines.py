@@ -47,7 +47,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Drew, Generators, Refuted, check_feature, warn_refuted
+from ._verify import Drew, Generators, Refuted, check_draws, check_feature, warn_refuted
 from ._zeroshot import _storable
 
 __all__ = ["pipeline", "CLASSIFIER_FAMILIES", "DETECTOR_FAMILIES"]
@@ -231,7 +231,7 @@ class _TextSide:
             fresh = self._encode(input_ids[rows], None if attention_mask is None else attention_mask[rows])
             each = (time.perf_counter() - t0) / len(rows)
             try:
-                drawn.check(f"{family}'s text tower")
+                check_draws(drawn, f"{family}'s text tower")
             except Drew as exc:
                 warn_refuted("pipeline", exc)
                 self.encoded += input_ids.shape[0]

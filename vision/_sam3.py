@@ -25,7 +25,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Generators, Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
 __all__ = ["serve_sam3"]
@@ -102,7 +102,7 @@ class _Sam3Text:
             fresh = self._encode(batch)
             each = (time.perf_counter() - t0) / len(batch)
             try:
-                drawn.check("SAM 3's text encoder")
+                check_draws(drawn, "SAM 3's text encoder")
                 if probe is not None:
                     check_feature(probe, found[probe]["language_features"].float().numpy(),
                                   fresh[0]["language_features"].float().numpy(), str(dtype))

@@ -8,15 +8,16 @@ full hit never loads the encoder (YOLOE) or runs no text at all, and is served o
 
 from __future__ import annotations
 
-import random
 import warnings
 from typing import Any
 
 import numpy as np
 
+from promptstore._live import Generators
 from promptstore.errors import PromptStoreWarning
 
-__all__ = ["FEATURE_TOLERANCE", "Drew", "Generators", "Refuted", "check_feature", "feature_error", "warn_refuted"]
+__all__ = ["FEATURE_TOLERANCE", "Drew", "Generators", "Refuted", "check_draws", "check_feature", "feature_error",
+           "warn_refuted"]
 
 # The largest relative L2 error between a stored text feature and the same prompt encoded again in
 # another batch, per dtype the encoder returns: unchanged towers measured at 0 to 2e-7 in float32
@@ -43,52 +44,11 @@ class Drew(Refuted):
         self.prompt, self.error = what, float("inf")
 
 
-class Generators:
-    """The random generators an encoder can draw from without being handed one, as they stand now: torch's
-    (the CPU one, and CUDA's where a CUDA context exists), numpy's global one and Python's ``random``.
-
-    A generator of the caller's own (``torch.Generator``, ``numpy.random.default_rng``) is not seen.
-    """
-
-    def __init__(self) -> None:
-        import torch
-
-        self._torch = torch.random.get_rng_state()
-        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self._numpy = np.random.get_state()
-        self._python = random.getstate()
-
-    def moved(self) -> bool:
-        """Whether any of them was drawn from (or reseeded) since."""
-        import torch
-
-        if not torch.equal(torch.random.get_rng_state(), self._torch) or self._python != random.getstate():
-            return True
-        numpy_now = np.random.get_state()
-        if any(not np.array_equal(a, b) if isinstance(a, np.ndarray) else a != b
-               for a, b in zip(numpy_now, self._numpy, strict=True)):
-            return True
-        if self._cuda is not None or torch.cuda.is_initialized():
-            now = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-            return self._cuda is None or len(now) != len(self._cuda) or any(
-                not torch.equal(a, b) for a, b in zip(now, self._cuda, strict=True))
-        return False
-
-    def restore(self) -> None:
-        """Put every generator back as it stood (as if nothing had been drawn since)."""
-        import torch
-
-        torch.random.set_rng_state(self._torch)
-        if self._cuda is not None:
-            torch.cuda.set_rng_state_all(self._cuda)
-        np.random.set_state(self._numpy)
-        random.setstate(self._python)
-
-    def check(self, what: str) -> None:
-        """Raise :class:`Drew`, the generators put back first, where any of them moved since."""
-        if self.moved():
-            self.restore()
-            raise Drew(what)
+def check_draws(drawn: Generators, what: str) -> None:
+    """Raise :class:`Drew`, the generators put back first, where any of them moved since ``drawn`` was taken."""
+    if drawn.moved():
+        drawn.restore()
+        raise Drew(what)
 
 
 def feature_error(stored: Any, fresh: Any) -> float:

@@ -31,7 +31,7 @@ from promptstore import PromptStore
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
-from ._verify import Generators, Refuted, check_feature, warn_refuted
+from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["zero_shot_classifier", "CLASS_KIND", "CLASSIFIER_KIND"]
 
@@ -296,7 +296,7 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
                                       normalize=True).cpu()
             each = (time.perf_counter() - t0) / (len(part) + checked)
             try:
-                drawn.check("the open_clip text tower")
+                check_draws(drawn, "the open_clip text tower")
             except Refuted:
                 bar.close()
                 raise
