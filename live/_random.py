@@ -7,17 +7,19 @@ and no key can say beforehand that a forward will draw (a user's hook adding noi
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 
 __all__ = ["Generators"]
 
-
 class Generators:
-    """The random generators code can draw from without being handed one, as they stand now: torch's
-    (the CPU one, and CUDA's where a CUDA context exists), numpy's global one and Python's ``random``.
+    """The random generators code can draw from without being handed one, as they stand when this is made:
+    torch's (the CPU one, and CUDA's where a CUDA context exists), numpy's global one and Python's ``random``.
 
-    A generator of the caller's own (``torch.Generator``, ``numpy.random.default_rng``) is not seen.
+    Process-wide, as the generators are: a draw by another thread meanwhile also counts as moved. A generator
+    of the caller's own (``torch.Generator``, ``numpy.random.default_rng``), and a draw made inside
+    ``torch.random.fork_rng`` (which puts the state back itself), are not seen.
     """
 
     def __init__(self) -> None:
@@ -38,14 +40,16 @@ class Generators:
         if any(not np.array_equal(a, b) if isinstance(a, np.ndarray) else a != b
                for a, b in zip(numpy_now, self._numpy, strict=True)):
             return True
-        if self._cuda is not None or torch.cuda.is_initialized():
-            now = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-            return self._cuda is None or len(now) != len(self._cuda) or any(
-                not torch.equal(a, b) for a, b in zip(now, self._cuda, strict=True))
+        if self._cuda is not None:
+            now = torch.cuda.get_rng_state_all()
+            return len(now) != len(self._cuda) or any(not torch.equal(a, b) for a, b in zip(now, self._cuda, strict=True))
+        if torch.cuda.is_initialized():
+            return _cuda_drawn_since_start(torch)  # the context was made meanwhile: its generators start unused
         return False
 
     def restore(self) -> None:
-        """Put every generator back as it stood (as if nothing had been drawn since)."""
+        """Put every generator back as it stood, as if nothing had been drawn since (as ``torch.random.fork_rng``
+        does on leaving: another thread's draws meanwhile are undone too, and its numbers come again)."""
         import torch
 
         torch.random.set_rng_state(self._torch)
@@ -53,3 +57,11 @@ class Generators:
             torch.cuda.set_rng_state_all(self._cuda)
         np.random.set_state(self._numpy)
         random.setstate(self._python)
+
+
+def _cuda_drawn_since_start(torch: Any) -> bool:
+    """Whether a CUDA generator made during the call has been drawn from (its Philox offset left 0)."""
+    try:
+        return any(g.get_offset() != 0 for g in torch.cuda.default_generators)
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: as if drawn

@@ -201,6 +201,20 @@ def check_structure(model: Any) -> None:
 
 
 
+def refuse_draws(before: Generators, name: str) -> None:
+    """Refuse a model that drew random numbers since ``before`` was taken (its forward: a hook adding noise, a
+    layer that samples), however little: each call computes another draw, which no stored KV may stand for.
+    The generators are put back first.
+
+    Raises:
+        UnsupportedModelError: it drew.
+    """
+    if before.moved():
+        before.restore()
+        raise UnsupportedModelError(f"{name} draws random numbers in its forward (a hook adding noise, a layer that "
+                                    "samples): each call computes another draw, which no stored KV may stand for")
+
+
 def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
     """(layers that keep KV, kv heads, key width, value width, dtype), its state tensors, and whether it continues
     a state one token at a time only, of a model whose prefix KV can be reused exactly (after check_structure).
@@ -238,7 +252,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
         tokens = (tokens * (-(-(window + 4) // len(tokens))))[: window + 4]
         pieces = [(0, 3), (3, 4), (4, window), (window, window + 1), (window + 1, window + 4)]
     probe = torch.tensor([tokens], device=model.device)
-    drawn = Generators()
+    before = Generators()
     try:
         with torch.no_grad():
             out = model(probe, use_cache=True)
@@ -255,8 +269,12 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
                 past = output_cache(piece)
                 steps.append(piece.logits[0].float())
     except UnsupportedModelError:
+        if before.moved():
+            before.restore()
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means "not a plain causal LM call"
+        if before.moved():
+            before.restore()
         raise UnsupportedModelError(f"{name} does not run as a plain causal LM with a KV cache: "
                                     f"{type(exc).__name__}: {exc}") from exc
     drift = float((torch.cat(steps) - full_logits).abs().max())
@@ -270,10 +288,7 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
         stepwise_drift = _stepwise_drift(model, probe, pieces[0][1], cache_arg, output_cache, full_logits)
         stepwise = stepwise_drift <= bound
         drift = min(drift, stepwise_drift)
-    if drawn.moved():
-        drawn.restore()  # the caller's generators as they were: the probe is not a draw of theirs
-        raise UnsupportedModelError(f"{name} draws random numbers in its forward (a hook adding noise, a layer that "
-                                    "samples): each call computes another draw, which no stored KV may stand for")
+    refuse_draws(before, name)
     if not drift <= bound:
         raise UnsupportedModelError(f"{name} computes different scores when a prompt is run in pieces over its KV "
                                     f"cache than in one pass (max difference {drift:.2g}): reuse would not be exact")

@@ -199,10 +199,12 @@ class Engine:
         signature = (tuple(sorted({str(t.dtype) for _, t in structure[1]})), str(self.model.device),
                      structure[0], ambient_fingerprint(), cache_code_fingerprint())
         if self._layout is None or self._layout[0] != signature:
-            self._layout = (signature, checked_layout(self.model, self.store, signature, self.output_cache))
+            layout = checked_layout(self.model, self.store, signature, self.output_cache)
+            works = works_on(self.model, self.store, signature, layout[0], self.cache_arg)
+            # Named only once both checks passed: a model refused by either is refused again next request.
+            self._layout = (signature, layout)
             self._rates = None  # another dtype, device or structure: its own measured rates
-            works = works_on(self.model, self.store, signature, self._layout[1][0], self.cache_arg)
-            self.checkable = not self._layout[1][1] and works.alone
+            self.checkable = not layout[1] and works.alone
             self.check_in_forward = self.checkable and works.in_forward
         return structure
 

@@ -266,7 +266,14 @@ def works_on(model: Any, store: Any, signature: Any, layout: Any, cache_arg: str
     entry = store.get(key, kind=VERIFY_CHECK_KIND)
     if entry is not None and {entry.meta.get("works"), entry.meta.get("in_forward")} <= {"0", "1"}:
         return Works(entry.meta["works"] == "1", entry.meta["in_forward"] == "1")
+    from promptstore._live import Generators
+
+    from ._admission import refuse_draws
+
+    before = Generators()
     works = _self_test(model, layout, cache_arg)
+    # Its prefill is longer than the layout's probe: a forward that draws only on longer inputs draws here.
+    refuse_draws(before, type(model).__name__)
     store.put(key, {"works": np.array([int(works.alone), int(works.in_forward)], np.int8)}, kind=VERIFY_CHECK_KIND,
               meta={"works": str(int(works.alone)), "in_forward": str(int(works.in_forward))})
     return works

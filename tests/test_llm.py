@@ -1051,12 +1051,17 @@ def test_a_block_longer_than_the_reserve_left_part_way_is_read_into_buffers_that
     assert (logits - full_logits(tiny, second)).abs().max().item() <= ATOL
 
 
-@pytest.mark.parametrize("scale", [0.1, 1e-7], ids=["noise", "noise-below-the-probes-bound"])
+@pytest.mark.parametrize("scale,longer_than", [(0.1, 0), (1e-7, 0), (0.1, 8)],
+                         ids=["noise", "noise-below-the-probes-bound", "noise-past-8-tokens-only"])
 def test_a_model_that_draws_random_numbers_in_its_forward_is_refused_and_its_callers_generator_left_as_it_was(
-        tiny, store, scale):
-    """However small the noise (below what the probe's scores can show), a forward that draws is one draw:
-    refused before anything is stored, whether the hook was there at construction or added later."""
-    noise = tiny.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + scale * torch.randn_like(out))
+        tiny, store, scale, longer_than):
+    """However small the noise (below what the probe's scores can show), and on longer inputs only, a forward that
+    draws is one draw: refused before anything is stored, whether the hook was there at construction or added
+    later."""
+    def draw(m, args, out):
+        return out + scale * torch.randn_like(out) if out.shape[1] > longer_than else out
+
+    noise = tiny.model.layers[0].mlp.register_forward_hook(draw)
     torch.manual_seed(3)
     with pytest.raises(UnsupportedModelError, match="draws random numbers"):
         PrefixCache(tiny, store=store)
@@ -1067,7 +1072,7 @@ def test_a_model_that_draws_random_numbers_in_its_forward_is_refused_and_its_cal
     cache = PrefixCache(tiny, store=store)  # without the hook: served
     ids = list(range(5, 45))
     cache.prefill(ids)
-    noise = tiny.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out + scale * torch.randn_like(out))
+    noise = tiny.model.layers[0].mlp.register_forward_hook(draw)
     with pytest.raises(UnsupportedModelError, match="draws random numbers"):
         cache.prefill(ids)
     noise.remove()

@@ -803,6 +803,8 @@ def test_a_text_tower_that_draws_random_numbers_is_computed_every_call_and_nothi
     model, images = classifier("clip")
     model.text_model.register_forward_hook(
         lambda module, args, out: (setattr(out, "pooler_output", out.pooler_output + torch.randn_like(out.pooler_output)), out)[1])
+    # The image side draws too (after the text side's miss would have): the call runs as transformers' own, in its order.
+    model.vision_model.post_layernorm.register_forward_hook(lambda module, args, out: out + 0.1 * torch.randn_like(out))
     args = dict(model=model, tokenizer=tokenizers["classify"], image_processor=images)
     plain, served = transformers_pipeline(CLASSIFY, **args), pipeline(CLASSIFY, store=store, **args)
     picture = pictures(1)[0]

@@ -526,6 +526,24 @@ def test_visual_prompts_are_computed_once(store):
     assert not visual_pe(again, ASSETS / "bus.jpg", moved, store=store).hit
 
 
+def test_visual_prompts_through_a_model_that_draws_random_numbers_are_computed_every_call_and_not_stored(store):
+    """A hook adding noise to the visual-prompt head: each call is ultralytics' own draw (its first one was stored
+    and served to every later seed)."""
+    from promptstore.errors import PromptStoreWarning
+
+    prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5]]), "cls": np.array([0])}
+    model = yoloe()
+    model.model.model[-1].savpe.register_forward_hook(lambda m, args, out: out + 0.1 * torch.randn_like(out))
+    seen = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with pytest.warns(PromptStoreWarning, match="drew random numbers"):
+            assert not visual_pe(model, ASSETS / "bus.jpg", prompts, store=store).hit
+        seen.append(model.model.pe.clone())
+    assert (seen[0] - seen[1]).abs().max().item() > 1e-3
+    assert store.ls() == []
+
+
 def test_a_second_identical_visual_prompt_on_the_same_model_hits(store):
     """ultralytics' predictor fuses Conv+BN in place on the first call: the key names the fused model."""
     prompts = {"bboxes": np.array([[221.5, 405.8, 344.9, 857.5]]), "cls": np.array([0])}

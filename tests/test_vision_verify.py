@@ -203,7 +203,7 @@ def test_set_classes_over_an_encoder_that_draws_random_numbers_stores_nothing(st
 def test_owl_queries_from_a_tower_that_draws_random_numbers_equal_the_plain_call_and_store_nothing(store, clip_tokenizer):
     model, processor = build("owlv2", clip_tokenizer)
     noisy(model.owlv2.text_model.final_layer_norm)
-    imgs = images(1)  # the plain call encodes the queries once per image: over two, each image its own draw
+    imgs = images(2)  # the plain call encodes the queries once per image, each its own draw
     pairs = draws_each_seed(lambda: plain(model, processor, QUERIES, imgs),
                             lambda: owl_detect(model, processor, QUERIES, images=imgs, store=store))
     for got, want in pairs:
@@ -230,7 +230,8 @@ def test_a_tower_that_does_not_draw_keeps_the_callers_generators_as_the_plain_ca
 def test_draws_from_numpys_or_pythons_generator_are_seen_too(store):
     import random
 
-    from promptstore.vision._verify import Drew, Generators, check_draws
+    from promptstore._live import Generators
+    from promptstore.vision._verify import Drew, check_draws
 
     for draw in (lambda: np.random.rand(), lambda: random.random(), lambda: torch.rand(1)):
         before = Generators()
@@ -241,3 +242,4 @@ def test_draws_from_numpys_or_pythons_generator_are_seen_too(store):
         with pytest.raises(Drew):
             check_draws(before, "a draw")
         assert not before.moved() and float(draw()) == float(want)
+

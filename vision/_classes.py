@@ -24,10 +24,11 @@ import numpy as np
 from tqdm import tqdm
 
 from promptstore import PromptStore, make_key
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError, ModelUnavailableError, PromptStoreError
 
 from ._encoders import TextEncoder, UltralyticsTextEncoder
-from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
+from ._verify import Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["set_classes", "export_npz", "import_npz", "ClassesReport", "detector_fingerprint", "vocabulary_payload",
            "TEXT_KIND", "PE_KIND", "SET_KIND", "NPZ_KIND"]
@@ -226,7 +227,7 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
     """
     feats = np.empty((len(names), encoder.dim), np.float32)
     cost = np.zeros(len(names))
-    drawn = Generators()
+    before = Generators()
     chunk = max(2 * int(getattr(encoder, "batch", 64)), 1)  # the encoder's own bar stays off at this size
     bar = tqdm(total=len(names), desc="promptstore: encoding class names", unit="name", leave=False,
                disable=None if len(names) > chunk else True)
@@ -237,7 +238,7 @@ def encode_and_store(encoder: TextEncoder, names: list[str], recipes: Recipes,
         out = encoder.encode([probe[0], *part] if checked and probe is not None else part)
         each = (time.perf_counter() - t0) / (len(part) + checked)
         try:
-            check_draws(drawn, "the text encoder")
+            check_draws(before, "the text encoder")
         except Refuted:
             bar.close()
             raise
@@ -419,7 +420,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
     # The encoder and the head run anyway: each also recomputes one stored entry, and a stored
     # entry that differs from what they compute now is never served (see _verify.py).
     hits = [i for i in range(len(names)) if i not in set(need_pe)]
-    drawn = Generators()
+    before = Generators()
     try:
         if need_text:
             probe = _stored_text(names, [i for i in need_pe if i not in set(need_text)], text, hits, keys, encoder.dim)
@@ -437,7 +438,7 @@ def set_classes(model: Any, names: Sequence[str], store: PromptStore | None = No
                 with torch.inference_mode():
                     x = torch.from_numpy(np.ascontiguousarray(rows, np.float32))[None].to(param.device, param.dtype)
                     mapped = inner.model[-1].get_tpe(x)[0].float().cpu().numpy()
-                check_draws(drawn, "the detector's text head")
+                check_draws(before, "the detector's text head")
                 if probe_pe is not None:
                     check_feature(names[probe_pe[0]], pe[probe_pe[0]], mapped[-1])
                     mapped = mapped[:-1]

@@ -281,7 +281,7 @@ class OpenCLIPTextEncoder(_BatchedEncoder):
                 # checkpoint or not): building the tower is not a draw of the encoder's (_verify.Generators).
                 with torch.random.fork_rng(devices=[]):
                     if self.pretrained is None:
-                        torch.manual_seed(self.seed)
+                        torch.default_generator.manual_seed(self.seed)  # the CPU's only: the tower is built there
                         model = _random_text_tower(self._cfg).to(self.device)
                     else:
                         model = self._load_file(lambda: open_clip.create_model(

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
 from ._pipelines import _padding_inert
-from ._verify import Drew, Generators, Refuted, check_feature, warn_refuted
+from ._verify import Drew, Refuted, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
 __all__ = ["serve_omdet"]
@@ -80,7 +81,7 @@ class _Backbone:
         for cache in (self.model.language_cache_class, self.model.language_cache_prompt):
             if isinstance(cache, _StoredCache):
                 cache.served_now.clear()
-                cache.drawn = None
+                cache.generators = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Backbone:
         """A copy of the model serves itself: described as the copy, over the same store (a store is shared,
@@ -126,7 +127,7 @@ class _StoredCache:
         self.cache: OrderedDict[tuple[str, Any], Any] = OrderedDict()
         self.served_now: dict[Any, Any] = {}  # what this forward took from the store (or memory): key -> value
         # The random generators at this forward's first miss, before the backbone computes the misses.
-        self.drawn: Generators | None = None
+        self.generators: Generators | None = None
 
     def _recipes(self) -> tuple[Recipes, str]:
         fp = self.side.fingerprint()
@@ -142,8 +143,8 @@ class _StoredCache:
             return True
         value = self._read(recipes, key)
         if value is None:
-            if self.drawn is None:
-                self.drawn = Generators()
+            if self.generators is None:
+                self.generators = Generators()
             return False
         self._remember(fp, key, value)
         return True
@@ -163,7 +164,7 @@ class _StoredCache:
         recipes, fp = self._recipes()
         if fp in self.side.refuted:
             return
-        if self.drawn is not None and self.drawn.moved():
+        if self.generators is not None and self.generators.moved():
             # The backbone drew random numbers: what it computed is one draw. Kept in this process, as the
             # detector's own cache keeps it, and not stored (another process draws its own).
             warn_refuted("OmDet-Turbo", Drew("its language backbone"))

@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError
 
 from ._classes import TEXT_KIND, Recipes
-from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
+from ._verify import Drew, Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["owl_detect", "owl_query_fingerprint"]
 
@@ -76,7 +77,11 @@ def owl_query_fingerprint(model: Any, processor: Any) -> str:
 
 
 def _query_embeddings(model: Any, processor: Any, queries: list[str], store: PromptStore) -> tuple[Any, int]:
-    """(normalised query embeddings on the model's device, how many were encoded now)."""
+    """(normalised query embeddings on the model's device, how many were encoded now).
+
+    Raises:
+        Drew: the text tower drew random numbers (the generators put back, nothing stored).
+    """
     import torch
 
     base, _ = _base(model)
@@ -94,13 +99,13 @@ def _query_embeddings(model: Any, processor: Any, queries: list[str], store: Pro
     if probe is not None:
         missing = [probe, *missing]
     if missing:
-        drawn = Generators()
+        before = Generators()
         t0 = time.perf_counter()
         emb = _encode(model, processor, missing)
         each = (time.perf_counter() - t0) / len(missing)
         host = emb.float().cpu().numpy()
+        check_draws(before, "the text tower")  # Drew: owl_detect runs the plain call
         try:
-            check_draws(drawn, "the text tower")
             if probe is not None:
                 check_feature(probe, found[probe], host[0])
         except Refuted as exc:
@@ -170,8 +175,16 @@ def owl_detect(model: Any, processor: Any, queries: Sequence[str], *, images: An
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
         raise InvalidInputError("pixel_values must be a (batch, 3, height, width) tensor")
     store = store if store is not None else PromptStore()
-    query_embeds, _ = _query_embeddings(model, processor, queries, store)
     device = next(model.parameters()).device
+    try:
+        query_embeds, _ = _query_embeddings(model, processor, queries, store)
+    except Drew as exc:
+        # The text tower drew random numbers (the generators put back): the plain call, every image its own draw.
+        warn_refuted("owl_detect", exc)
+        text = processor(text=[queries] * pixel_values.shape[0], return_tensors="pt")
+        with torch.no_grad():
+            return model(input_ids=text["input_ids"].to(device), attention_mask=text["attention_mask"].to(device),
+                         pixel_values=pixel_values.to(device), interpolate_pos_encoding=interpolate_pos_encoding)
     with torch.no_grad():
         feature_map, vision_outputs = model.image_embedder(pixel_values=pixel_values.to(device),
                                                            interpolate_pos_encoding=interpolate_pos_encoding)[:2]

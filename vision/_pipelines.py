@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Drew, Generators, Refuted, check_draws, check_feature, warn_refuted
+from ._verify import Drew, Refuted, check_draws, check_feature, warn_refuted
 from ._zeroshot import _storable
 
 __all__ = ["pipeline", "CLASSIFIER_FAMILIES", "DETECTOR_FAMILIES"]
@@ -206,6 +207,10 @@ class _TextSide:
         A row's key is its token ids (cut to its attention mask when there is one; else the whole
         padded row, which the tower attends to), under the tower's fingerprint (``fingerprint``, or
         named now).
+
+        Raises:
+            Drew: the tower drew random numbers on a miss (the generators put back, nothing stored): the caller
+                runs transformers' own forward, as if nothing were served.
         """
         import torch
 
@@ -226,16 +231,12 @@ class _TextSide:
         probe = next(iter(found), None) if missing else None
         if missing:
             rows = [firsts[n] for n in ([probe] if probe is not None else []) + missing]
-            drawn = Generators()
+            before = Generators()
             t0 = time.perf_counter()
             fresh = self._encode(input_ids[rows], None if attention_mask is None else attention_mask[rows])
             each = (time.perf_counter() - t0) / len(rows)
-            try:
-                check_draws(drawn, f"{family}'s text tower")
-            except Drew as exc:
-                warn_refuted("pipeline", exc)
-                self.encoded += input_ids.shape[0]
-                return self._encode(input_ids, attention_mask)
+            # A tower that drew: Drew, the generators put back, for the caller to run transformers' own forward.
+            check_draws(before, f"{family}'s text tower")
             self.encoded += len(rows)
             if probe is not None:
                 try:
@@ -277,7 +278,7 @@ class _TextSide:
                 return self.model(**model_inputs)
         seen: list[Any] = []
         handle = self.tower.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
-        drawn = Generators()
+        before = Generators()
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
@@ -285,7 +286,7 @@ class _TextSide:
         finally:
             handle.remove()
         self.encoded += 1
-        if drawn.moved():
+        if before.moved():
             # The forward drew random numbers (a user's hook; where is not known): this call is the plain one,
             # and what its backbone returned is one draw, not stored.
             warn_refuted("pipeline", Drew(f"{self.model.config.model_type}'s forward"))
@@ -570,7 +571,12 @@ class _Classifier:
         if side is None or not _stand_in_unseen(self.model, side.path):  # type: ignore[attr-defined]
             outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]  # transformers' own call
             return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
-        pooled = side.pooled(text_inputs["input_ids"], text_inputs.get("attention_mask"))
+        try:
+            pooled = side.pooled(text_inputs["input_ids"], text_inputs.get("attention_mask"))
+        except Drew as exc:
+            warn_refuted("pipeline", exc)
+            outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]  # as if served never
+            return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
         with side.serving(pooled, ids=text_inputs["input_ids"], mask=text_inputs.get("attention_mask")):
             outputs = self.model(**text_inputs, **model_inputs)  # type: ignore[attr-defined]
         return {"candidate_labels": candidate_labels, "logits": outputs.logits_per_image}
@@ -607,7 +613,12 @@ class _Detector:
                 with self._backbone_once(call):
                     outputs = side.grounded(model_inputs, fingerprint)
                 return {"target_size": target_size, "candidate_label": candidate_label, "is_last": is_last, **outputs}
-            output = self._owl(model_inputs, call, fingerprint)
+            try:
+                output = self._owl(model_inputs, call, fingerprint)
+            except Drew as exc:
+                warn_refuted("pipeline", exc)
+                return super(type(self), self)._forward(  # type: ignore[misc]  # transformers' own
+                    {**model_inputs, "target_size": target_size, "candidate_label": candidate_label, "is_last": is_last})
         except BaseException:
             self._image_memo = None  # the call is cut short: its image side is not kept
             raise

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, describe_ahead
-from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
+from ._verify import Refuted, check_draws, check_feature, warn_refuted
 from ._zeroshot import _STORED, _storable
 
 __all__ = ["serve_sam3"]
@@ -97,12 +98,12 @@ class _Sam3Text:
         probe = next(iter(found), None) if missing else None
         if missing:
             batch = ([probe] if probe is not None else []) + missing
-            drawn = Generators()
+            before = Generators()
             t0 = time.perf_counter()
             fresh = self._encode(batch)
             each = (time.perf_counter() - t0) / len(batch)
             try:
-                check_draws(drawn, "SAM 3's text encoder")
+                check_draws(before, "SAM 3's text encoder")
                 if probe is not None:
                     check_feature(probe, found[probe]["language_features"].float().numpy(),
                                   fresh[0]["language_features"].float().numpy(), str(dtype))

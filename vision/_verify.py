@@ -16,8 +16,7 @@ import numpy as np
 from promptstore._live import Generators
 from promptstore.errors import PromptStoreWarning
 
-__all__ = ["FEATURE_TOLERANCE", "Drew", "Generators", "Refuted", "check_draws", "check_feature", "feature_error",
-           "warn_refuted"]
+__all__ = ["FEATURE_TOLERANCE", "Drew", "Refuted", "check_draws", "check_feature", "feature_error", "warn_refuted"]
 
 # The largest relative L2 error between a stored text feature and the same prompt encoded again in
 # another batch, per dtype the encoder returns: unchanged towers measured at 0 to 2e-7 in float32
@@ -36,18 +35,20 @@ class Refuted(Exception):
 class Drew(Refuted):
     """The encoder drew random numbers while it ran (a user's hook, a layer that samples): what it computed is
     one draw, not what a later call computes. Nothing of it may be stored, and the call is computed as without
-    the store, from the generators as they stood before the encoder ran (so it equals the plain call under the
-    same seed)."""
+    the store, from the generators as they stood before the encoder ran."""
 
     def __init__(self, what: str) -> None:
-        Exception.__init__(self, f"{what} drew random numbers")
-        self.prompt, self.error = what, float("inf")
+        super().__init__(what, float("inf"))
+        self.args = (f"{what} drew random numbers",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
-def check_draws(drawn: Generators, what: str) -> None:
-    """Raise :class:`Drew`, the generators put back first, where any of them moved since ``drawn`` was taken."""
-    if drawn.moved():
-        drawn.restore()
+def check_draws(before: Generators, what: str) -> None:
+    """Raise :class:`Drew` where any generator moved since ``before`` was taken, the generators put back first."""
+    if before.moved():
+        before.restore()
         raise Drew(what)
 
 

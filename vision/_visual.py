@@ -17,9 +17,11 @@ import numpy as np
 import xxhash
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError
 
 from ._classes import _apply, _head_width, _unwrap
+from ._verify import Drew, warn_refuted
 
 __all__ = ["visual_pe", "VisualReport", "VISUAL_KIND"]
 
@@ -110,9 +112,14 @@ def visual_pe(model: Any, refer_image: Any, visual_prompts: dict[str, Any], stor
     if entry is not None and entry.tensors.get("vpe", np.empty(0)).shape == (n_cls, dim):
         _apply(model, names, entry.tensors["vpe"])
         return VisualReport(n_cls, True, time.perf_counter() - t0)
+    before = Generators()
     vpe = _compute(wrapper, inner, refer_image, visual_prompts, imgsz)
-    store.put(key, {"vpe": vpe}, kind=VISUAL_KIND, cost_s=time.perf_counter() - t0,
-              meta={"image": image_fp, "prompts": prompt_fp, "detector": detector})
+    if before.moved():
+        # The model drew random numbers (a user's hook): this embedding is one draw, ultralytics' own, not stored.
+        warn_refuted("visual_pe", Drew("the YOLOE model"))
+    else:
+        store.put(key, {"vpe": vpe}, kind=VISUAL_KIND, cost_s=time.perf_counter() - t0,
+                  meta={"image": image_fp, "prompts": prompt_fp, "detector": detector})
     _apply(model, names, vpe)
     return VisualReport(n_cls, False, time.perf_counter() - t0)
 

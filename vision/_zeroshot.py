@@ -28,10 +28,11 @@ import numpy as np
 from tqdm import tqdm
 
 from promptstore import PromptStore
+from promptstore._live import Generators
 from promptstore.errors import InvalidInputError, PromptStoreWarning, UnsupportedModelError
 
 from ._classes import TEXT_KIND, Recipes, check_names, vocabulary_payload
-from ._verify import Generators, Refuted, check_draws, check_feature, warn_refuted
+from ._verify import Refuted, check_draws, check_feature, warn_refuted
 
 __all__ = ["zero_shot_classifier", "CLASS_KIND", "CLASSIFIER_KIND"]
 
@@ -286,7 +287,7 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
             break
     bar = tqdm(total=len(missing), desc="promptstore: encoding prompts", unit="prompt", leave=False,
                disable=not use_tqdm)
-    drawn = Generators()
+    before = Generators()
     with torch.no_grad():
         for lo in range(0, len(missing), batch):
             part = missing[lo : lo + batch]
@@ -296,7 +297,7 @@ def _features(model: Any, tokenizer: Any, recipes: Recipes, texts: list[str], ba
                                       normalize=True).cpu()
             each = (time.perf_counter() - t0) / (len(part) + checked)
             try:
-                check_draws(drawn, "the open_clip text tower")
+                check_draws(before, "the open_clip text tower")
             except Refuted:
                 bar.close()
                 raise
