@@ -47,7 +47,7 @@ def checked_layout(model: Any, store: PromptStore, signature: Any, output_cache:
     import transformers
 
     check_structure(model)  # the checks without a forward run every time
-    key = store.key(CHECK_KIND, fingerprints=[repr(signature),
+    key = store.key(CHECK_KIND, fingerprints=[repr(signature), CHECKS,
                                               f"transformers={transformers.__version__}",
                                               f"torch={torch.__version__}"])
     entry = store.get(key, kind=CHECK_KIND)
@@ -199,6 +199,11 @@ def check_structure(model: Any) -> None:
     if getattr(_text_config(model.config), "num_kv_shared_layers", 0):
         raise UnsupportedModelError(f"{name} shares KV between layers (num_kv_shared_layers): not supported")
 
+
+
+# What a stored verdict passed: the checks of this release. Checks made stricter take a new name, so a verdict
+# stored under the old ones (a model that draws random numbers, accepted before they looked) is checked again.
+CHECKS = "checks=2"
 
 
 def refuse_draws(before: Generators, name: str) -> None:

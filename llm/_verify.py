@@ -261,8 +261,11 @@ def works_on(model: Any, store: Any, signature: Any, layout: Any, cache_arg: str
 
     if not verifiable(model) or not layout[0]:
         return Works(False, False)
-    key = store.key(VERIFY_CHECK_KIND, b"verify-check", fingerprints=[repr(signature), f"transformers={transformers.__version__}",
-                                                     f"torch={torch.__version__}"])
+    from ._admission import CHECKS
+
+    key = store.key(VERIFY_CHECK_KIND, b"verify-check", fingerprints=[repr(signature), CHECKS,
+                                                                       f"transformers={transformers.__version__}",
+                                                                       f"torch={torch.__version__}"])
     entry = store.get(key, kind=VERIFY_CHECK_KIND)
     if entry is not None and {entry.meta.get("works"), entry.meta.get("in_forward")} <= {"0", "1"}:
         return Works(entry.meta["works"] == "1", entry.meta["in_forward"] == "1")

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+import promptstore.llm._admission as admission
 from promptstore import PromptStore
 from promptstore.errors import UnsupportedModelError
 from promptstore.llm import PrefixCache
@@ -157,7 +158,7 @@ def test_gemma_with_a_zero_dim_buffer_is_fingerprinted(store):
     assert PrefixCache(model, None, store=store).fingerprint.startswith("model:")
 
 
-def test_the_model_check_runs_its_forwards_once_per_architecture(store):
+def test_the_model_check_runs_its_forwards_once_per_architecture(store, monkeypatch):
     model, _ = build("llama")
     runs = Counting(model.get_input_embeddings())  # before the first check: the hook is part of the model
     PrefixCache(model, None, store=store)
@@ -166,6 +167,10 @@ def test_the_model_check_runs_its_forwards_once_per_architecture(store):
     PrefixCache(model, None, store=store)  # a new instance, as in a fresh process: the verdict is stored
     assert runs.rows == 0
     model.half()  # another dtype is another verdict
+    PrefixCache(model, None, store=store)
+    assert runs.rows
+    runs.reset()
+    monkeypatch.setattr(admission, "CHECKS", "checks=other")  # stricter checks: a stored verdict is checked again
     PrefixCache(model, None, store=store)
     assert runs.rows
     refused, _ = build("roberta")  # refused by the probe forwards (positions from pads)
