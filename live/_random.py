@@ -47,6 +47,13 @@ class Generators:
             return _cuda_drawn_since_start(torch)  # the context was made meanwhile: its generators start unused
         return False
 
+    def undo(self) -> bool:
+        """Put the generators back if any moved since (:meth:`restore`); whether any had."""
+        if not self.moved():
+            return False
+        self.restore()
+        return True
+
     def restore(self) -> None:
         """Put every generator back as it stood, as if nothing had been drawn since (as ``torch.random.fork_rng``
         does on leaving: another thread's draws meanwhile are undone too, and its numbers come again)."""

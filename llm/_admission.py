@@ -214,8 +214,7 @@ def refuse_draws(before: Generators, name: str) -> None:
     Raises:
         UnsupportedModelError: it drew.
     """
-    if before.moved():
-        before.restore()
+    if before.undo():
         raise UnsupportedModelError(f"{name} draws random numbers in its forward (a hook adding noise, a layer that "
                                     "samples): each call computes another draw, which no stored KV may stand for")
 
@@ -274,12 +273,10 @@ def probe_model(model: Any, output_cache: Any) -> tuple[Layout, States, bool]:
                 past = output_cache(piece)
                 steps.append(piece.logits[0].float())
     except UnsupportedModelError:
-        if before.moved():
-            before.restore()
+        before.undo()
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here means "not a plain causal LM call"
-        if before.moved():
-            before.restore()
+        before.undo()
         raise UnsupportedModelError(f"{name} does not run as a plain causal LM with a KV cache: "
                                     f"{type(exc).__name__}: {exc}") from exc
     drift = float((torch.cat(steps) - full_logits).abs().max())

@@ -198,7 +198,7 @@ GROUPS = [
                                        "verifiable", "verify_served", "_relative", "works_on", "_self_test"),
         "promptstore/llm/_request.py": ("Request.verified",),
         "promptstore/vision/_verify.py": ("feature_error", "check_feature", "check_draws"),
-        "promptstore/_live/_random.py": ("Generators.moved", "Generators.restore")},
+        "promptstore/_live/_random.py": ("Generators.moved", "Generators.undo", "Generators.restore")},
           ("tests/test_verify.py", "tests/test_vision_verify.py"),
           sample=4),
     # transformers' zero-shot pipelines, OmDet-Turbo's caches and SAM 3's prompts: the text side's key, which rows

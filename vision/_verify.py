@@ -47,8 +47,7 @@ class Drew(Refuted):
 
 def check_draws(before: Generators, what: str) -> None:
     """Raise :class:`Drew` where any generator moved since ``before`` was taken, the generators put back first."""
-    if before.moved():
-        before.restore()
+    if before.undo():
         raise Drew(what)
 
 
